@@ -1,0 +1,18 @@
+# `make demo` and `make test` set everything up in a local virtualenv (.venv) and run.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+
+.PHONY: demo test
+
+demo: $(VENV)/.installed
+	$(PY) examples/scripts/train_digits.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest tests
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade 'pip>=23'
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@

@@ -1,0 +1,86 @@
+"""The process group: what the launch environment says, which device a rank uses, init and teardown.
+
+Every helper returns single-process values (rank 0 of 1, the default device) when nothing launched
+this process, so the same script runs with and without DDP.
+"""
+import atexit
+import os
+
+import torch
+import torch.distributed as dist
+from fastai.torch_core import defaults
+
+DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
+
+
+def launched() -> bool:
+    """True in a process started by a distributed launcher (torch elastic / ddipp.launch)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank() -> int:
+    """Global rank of this process (0 when not launched)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def local_rank() -> int:
+    """Rank of this process on its host (0 when not launched)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def world_size() -> int:
+    """Number of processes in the group (1 when not launched)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_rank0() -> bool:
+    """True on the process that draws progress and writes files."""
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device this rank trains on: the local rank's entry of ddipp's device list, else cuda:LOCAL_RANK or cpu."""
+    devices = os.environ.get(DEVICES_ENV)
+    if devices == "cpu":
+        return torch.device("cpu")
+    if devices:
+        return torch.device("cuda", int(devices.split(",")[local_rank()]))
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank() if launched() else torch.cuda.current_device())
+
+
+def bind_device() -> torch.device:
+    """Make this rank's device fastai's default, so data and models built next land on it."""
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    defaults.device = dev
+    return dev
+
+
+def init() -> bool:
+    """Join the process group the launcher described (NCCL on CUDA, gloo on CPU); False when not launched."""
+    if dist.is_initialized():
+        return True
+    if not launched():
+        return False
+    dev = bind_device()
+    if dev.type == "cuda":
+        dist.init_process_group("nccl", init_method="env://", device_id=dev)
+    else:
+        dist.init_process_group("gloo", init_method="env://")
+    atexit.register(teardown)
+    return True
+
+
+def teardown() -> None:
+    """Leave the process group, if this process is in one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait until every rank gets here; returns at once when not launched."""
+    if world_size() > 1 and init():
+        dist.barrier()
