@@ -89,6 +89,7 @@ def _allow_numpy_scalars_in_weights_only_load() -> None:
 def _load_learner(path, file="export.pkl", test=None, tfm_y=None, **db_kwargs):
     "Load a `Learner` exported with `Learner.export` (a full pickle: load only files you trust)."
     source = Path(path)/file if is_pathlike(file) else file
+    distrib_barrier()  # as fastai's load_data and Learner.load: under DDP, wait until rank 0 has exported
     map_location = "cpu" if defaults.device == torch.device("cpu") else None
     state = torch.load(source, map_location=map_location, weights_only=False)
     model = state.pop("model")

@@ -1,0 +1,199 @@
+"""fastai v1 callbacks that make a fit distributed: DistributedCallback, LRFinderBypassCallback, GCCallback.
+
+fastai 1.0.61 reads WORLD_SIZE/RANK itself, and ddipp relies on that where it is right: `save`/`export`
+write on rank 0 only, `load`/`load_data`/`load_learner` wait at a barrier first (so every rank reads what
+rank 0 wrote). It neutralises the rest: validation sees the whole batch on every rank (so fastai's
+per-batch metric all-reduce averages equal values), lr_find is stopped by LRFinderBypassCallback (fastai
+lets it run to the epoch's end under DDP), and Learner.validate(), which calls on_train_begin without
+on_train_end, is recognised (it has no progress bar) and left undistributed.
+"""
+import gc
+
+import fastprogress.fastprogress
+import torch
+import torch.distributed as dist
+from fastai.basic_train import Learner, LearnerCallback
+from fastai.callback import SmoothenValue
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from . import dist as ddist
+from .sampling import ShardedEvalBatchSampler, shard_eval_loader, shard_train_loader, unshard
+
+
+class DistributedCallback(LearnerCallback):
+    """Trains on every rank with DDP: shards the loaders' own order, validates exactly, records global numbers.
+
+    At on_train_begin it wraps the model and shards the loaders, before the other callbacks' on_train_begin
+    (schedules count the sharded batches); at on_train_end it puts the plain model and the original
+    loaders back, also when the fit raised."""
+    _order = -20  # before Recorder (-10): it must record the global loss, and stay silent on rank > 0
+
+    def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None):
+        super().__init__(learn)
+        self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
+        self.distributed = False
+
+    def on_train_begin(self, pbar, **kwargs) -> None:
+        if pbar is None:  # Learner.validate(): no bar, and no on_train_end to undo anything
+            return
+        ddist.init()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.rank != 0:
+            self.learn.recorder.silent = True
+            fastprogress.fastprogress.NO_BAR = True
+        self.smoother = SmoothenValue(0.98)
+        data, self.model = self.learn.data, self.learn.model
+        self.learn.model = self._wrap(self.model)
+        self.train_dl, self.valid_dl = data.train_dl, data.valid_dl
+        data.train_dl = shard_train_loader(self.train_dl, self.rank, self.world_size, _broadcast_seed())
+        self.train_sampler = data.train_dl.dl.batch_sampler.sampler
+        self.eval_batches = None
+        if self.valid_dl is not None:
+            data.valid_dl = shard_eval_loader(self.valid_dl, self.rank, self.world_size)
+            self.eval_batches = data.valid_dl.dl.batch_sampler
+        self.distributed = True
+
+    def _wrap(self, model: nn.Module) -> DistributedDataParallel:
+        device = ddist.device()
+        self.undo_sync_bn = lambda: None
+        if self.sync_bn:
+            if device.type != "cuda":
+                raise ValueError(f"sync_bn=True needs CUDA devices (torch's SyncBatchNorm has no {device.type} "
+                                 "kernel); use sync_bn=False")
+            self.undo_sync_bn = _convert_sync_bn(model)
+        find_unused = self.find_unused_parameters
+        if find_unused is None:  # fastai's RNNs (AWD-LSTM) leave some parameters out of some steps
+            find_unused = hasattr(model, "reset")
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       find_unused_parameters=find_unused)
+
+    def undistribute(self) -> None:
+        """Put back the plain model and the original loaders; the rest of the fit runs as one process."""
+        if not self.distributed:
+            return
+        self.learn.model, self.learn.data.train_dl, self.learn.data.valid_dl = self.model, self.train_dl, self.valid_dl
+        self.undo_sync_bn()
+        self.distributed = False
+
+    def on_epoch_begin(self, epoch: int, **kwargs) -> None:
+        if self.distributed:
+            self.train_sampler.set_epoch(epoch)
+            self.valid_batch = 0
+
+    def _validating(self, train: bool) -> bool:
+        return self.distributed and not train and self.eval_batches is not None
+
+    def on_batch_begin(self, last_target, train: bool, **kwargs):
+        if self._validating(train):
+            return {"last_target": unshard(last_target, self.eval_batches.sizes(self.valid_batch))}
+
+    def on_loss_begin(self, last_output, train: bool, **kwargs):
+        if self._validating(train):
+            return {"last_output": unshard(last_output, self.eval_batches.sizes(self.valid_batch))}
+
+    def on_backward_begin(self, last_loss, **kwargs):
+        if not self.distributed:
+            return
+        loss = last_loss.detach().clone()
+        dist.all_reduce(loss)
+        self.smoother.add_value(loss.float().cpu() / self.world_size)
+        return {"smooth_loss": self.smoother.smooth}
+
+    def on_batch_end(self, train: bool, **kwargs) -> None:
+        if self._validating(train):
+            self.valid_batch += 1
+
+    def on_train_end(self, **kwargs) -> None:
+        self.undistribute()
+
+
+def _convert_sync_bn(model: nn.Module):
+    """Swap the BatchNorm layers of `model` for SyncBatchNorm layers sharing their parameters and buffers.
+
+    The optimizer keeps the same Parameter objects; returns the function that puts the BatchNorm layers back."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, nn.SyncBatchNorm)]
+    for parent, name, child in swaps:
+        setattr(parent, name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
+
+    def undo():
+        for parent, name, child in swaps:
+            setattr(parent, name, child)
+    return undo
+
+
+def _broadcast_seed() -> int:
+    """A seed drawn on rank 0 and shared by all ranks, for the order of this fit's shuffles."""
+    seed = [int(torch.randint(0, 2**31 - 1, ()))]
+    dist.broadcast_object_list(seed, src=0)
+    return seed[0]
+
+
+class LRFinderBypassCallback(LearnerCallback):
+    """`lr_find` under DDP: sweeps once and leaves every rank with the same weights and the same recorder.
+
+    mode='solo': rank 0 sweeps alone on the whole data (what one GPU would show) while the others wait,
+    then the recorded lrs and losses are broadcast. mode='distributed': all ranks sweep together with the global batch."""
+    _order = 1  # after fastai's LRFinder (0), which it recognises and stops
+
+    def __init__(self, learn: Learner, mode: str = "solo"):
+        super().__init__(learn)
+        if mode not in ("solo", "distributed"):
+            raise ValueError(f"mode={mode!r}: use 'solo' (rank 0 sweeps alone) or 'distributed' (global batch)")
+        self.mode, self.sweeping = mode, False
+
+    def on_train_begin(self, pbar, **kwargs) -> None:
+        # fastai's LRFinder marks its fit's bar clean_on_interrupt in its own on_train_begin, which ran just before
+        self.sweeping = getattr(pbar, "clean_on_interrupt", False) and dist.is_initialized()
+        if self.sweeping and self.mode == "solo":
+            self.learn.distributed_callback.undistribute()
+
+    def _waiting(self) -> bool:
+        """True on the ranks that only wait for rank 0's solo sweep."""
+        return self.sweeping and self.mode == "solo" and dist.get_rank() != 0
+
+    # A waiting rank runs one forward pass with no backward or step: a fastai fit needs one batch to end.
+    def on_backward_begin(self, **kwargs):
+        if self._waiting():
+            return {"skip_bwd": True}
+
+    def on_backward_end(self, **kwargs):
+        if self._waiting():
+            return {"skip_step": True}
+
+    def on_step_end(self, **kwargs):
+        if self._waiting():
+            return {"skip_zero": True}
+
+    def on_batch_end(self, **kwargs):
+        # fastai's LRFinder never stops under WORLD_SIZE > 1, so the stop is made here
+        if self._waiting() or (self.sweeping and self.learn.lr_finder.stop is not False):
+            return {"stop_epoch": True, "stop_training": True}
+
+    def on_train_end(self, **kwargs) -> None:
+        # LRFinder.on_train_end already reloaded the pre-sweep weights on every rank (after fastai's load barrier)
+        if self.sweeping and self.mode == "solo":
+            recorder = self.learn.recorder
+            history = [(recorder.lrs, recorder.moms, recorder.losses, recorder.nb_batches)]
+            dist.broadcast_object_list(history, src=0)
+            recorder.lrs, recorder.moms, recorder.losses, recorder.nb_batches = history[0]
+        self.sweeping = False
+
+
+class GCCallback(LearnerCallback):
+    """At the end of every fit: `gc.collect()` and, with CUDA, `torch.cuda.empty_cache()`; reports when verbose."""
+
+    def __init__(self, learn: Learner, verbose: bool = False):
+        super().__init__(learn)
+        self.verbose = verbose
+
+    def on_train_end(self, **kwargs) -> None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        reserved = torch.cuda.memory_reserved() if cuda else 0
+        objects = gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        if self.verbose:
+            freed = (reserved - torch.cuda.memory_reserved()) / 2**20 if cuda else 0.0
+            print(f"GCCallback (rank {ddist.rank()}): collected {objects} objects, released {freed:.1f} MiB of CUDA cache")

@@ -1,0 +1,118 @@
+"""Sharding a loader's own order across ranks: training shards, exact evaluation shards and their undoing.
+
+Convention (DESIGN.md): a rank's shard is every N-th position of the loader's order, starting at its
+rank, so global step k of N ranks with batch b covers the items of step k of one process with batch N*b.
+"""
+import random
+from contextlib import contextmanager
+from typing import Any, List, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from fastai.basic_data import DeviceDataLoader
+from fastai.text.data import SortishSampler
+from torch.utils.data import BatchSampler, Sampler
+
+
+@contextmanager
+def _global_rngs_seeded(seed: int):
+    """Seed python's, numpy's and torch's CPU generators for the block, then put their states back."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.default_generator.manual_seed(seed)  # CPU only: GPU generators (dropout) stay per rank
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+class ShardedSampler(Sampler):
+    """Rank `rank`'s share of `sampler`'s order: positions rank, rank+N, rank+2N, ...
+
+    Every rank draws the same order: the global generators are seeded with `seed + epoch` while the
+    order is drawn (then restored), so a shuffled sampler shuffles alike on all ranks and differently
+    each epoch (call `set_epoch`); a sequential one stays sequential. The last len % N positions are
+    dropped so that every rank has the same number of items (each item is used at most once per epoch)."""
+
+    def __init__(self, sampler: Sampler, rank: int, world_size: int, seed: int):
+        self.sampler, self.rank, self.world_size, self.seed, self.epoch = sampler, rank, world_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        with _global_rngs_seeded(self.seed + self.epoch):
+            order = list(self.sampler)
+        usable = len(order) // self.world_size * self.world_size
+        return iter(order[self.rank:usable:self.world_size])
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.world_size
+
+
+class ShardedEvalBatchSampler(Sampler):
+    """Rank `rank`'s part of each of the loader's batches: items rank, rank+N, ... of batch k.
+
+    Each item is evaluated exactly once across ranks (no padding duplicates), and `unshard` of the
+    ranks' outputs rebuilds batch k of the single-process loader, in its order. A rank whose part of a
+    batch is empty (a batch of fewer than N items) gets the batch's first item as a placeholder, which
+    `unshard` drops, so that every rank runs the same number of batches."""
+
+    def __init__(self, batches: Sequence[Sequence[int]], rank: int, world_size: int):
+        self.batches, self.rank, self.world_size = [list(b) for b in batches], rank, world_size
+
+    def __iter__(self):
+        for batch in self.batches:
+            yield batch[self.rank::self.world_size] or batch[:1]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def sizes(self, k: int) -> List[int]:
+        """How many real items each rank holds of batch k."""
+        return [len(self.batches[k][r::self.world_size]) for r in range(self.world_size)]
+
+
+def unshard(x: Any, sizes: List[int]) -> Any:
+    """Gather every rank's part of a batch (tensors in `x`, any nesting) and rebuild the whole batch in order.
+
+    `sizes[r]` is the number of real items rank r holds (see `ShardedEvalBatchSampler.sizes`)."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(unshard(o, sizes) for o in x)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    world_size, longest = len(sizes), max(sizes)
+    padded = x.new_zeros((longest, *x.shape[1:]))
+    mine = sizes[dist.get_rank()]
+    padded[:mine] = x[:mine]
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded.contiguous())
+    whole = x.new_empty((sum(sizes), *x.shape[1:]))
+    for r, part in enumerate(parts):
+        whole[r::world_size] = part[:sizes[r]]
+    return whole
+
+
+def _train_sampler(sampler: Sampler, world_size: int) -> Sampler:
+    """The order to shard: fastai's SortishSampler buckets by lengths over the global batch, so ranks stay alike."""
+    if isinstance(sampler, SortishSampler):
+        return SortishSampler(sampler.data_source, sampler.key, sampler.bs * world_size)
+    return sampler
+
+
+def shard_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, seed: int) -> DeviceDataLoader:
+    """A copy of `loader` that yields rank `rank`'s shard of its order, in batches of the same size."""
+    batches = loader.dl.batch_sampler
+    sampler = ShardedSampler(_train_sampler(batches.sampler, world_size), rank, world_size, seed)
+    return loader.new(batch_sampler=BatchSampler(sampler, batches.batch_size, batches.drop_last),
+                      batch_size=1, shuffle=False, sampler=None, drop_last=False)
+
+
+def shard_eval_loader(loader: DeviceDataLoader, rank: int, world_size: int) -> DeviceDataLoader:
+    """A copy of `loader` whose batch k is rank `rank`'s part of the loader's batch k."""
+    batches = ShardedEvalBatchSampler(list(loader.dl.batch_sampler), rank, world_size)
+    return loader.new(batch_sampler=batches, batch_size=1, shuffle=False, sampler=None, drop_last=False)

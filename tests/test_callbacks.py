@@ -1,0 +1,135 @@
+"""DistributedCallback, LRFinderBypassCallback, GCCallback: a real 2-rank gloo run against one process.
+
+One launched run (tests/workers/fit_worker.py) plays tests/workers/scenario.py with per-rank batch 16;
+the reference plays it here in one process with batch 32 (the global batch).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fastai.basic_train import Learner
+
+import ddipp
+from ddipp import GCCallback
+
+WORKERS = Path(__file__).parent / "workers"
+sys.path.insert(0, str(WORKERS))
+from scenario import digits_data, digits_learner, story, sweep  # noqa: E402
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{ddipp.dist.DEVICES_ENV: "cpu"})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKERS / "fit_worker.py"), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)], out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return story(digits_learner(digits_data(tmp_path_factory.mktemp("ref"), bs=32)))
+
+
+def _max_diff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def _close(a, b, tol=TOL):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if a is None or isinstance(a, bool):
+        return a == b
+    return abs(float(a) - float(b)) <= tol
+
+
+@pytest.mark.parametrize("stage", ["params_fit", "params_frozen", "params_unfrozen"])
+def test_two_ranks_train_the_parameters_one_process_trains_with_the_global_batch(ranks, reference, stage):
+    (r0, r1), _ = ranks
+    assert _max_diff(r0["story"][stage], r1["story"][stage]) == 0
+    assert _max_diff(r0["story"][stage], reference[stage]) <= TOL
+
+
+@pytest.mark.parametrize("stage", ["fit", "fit_frozen", "fit_unfrozen"])
+def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, reference, stage):
+    (r0, r1), _ = ranks
+    assert r0["story"][stage] == r1["story"][stage]
+    assert _close(r0["story"][stage], reference[stage])  # losses, val losses, accuracy, a batch-wise metric, FBeta
+
+
+def test_validate_and_get_preds_between_fits_cover_the_whole_set(ranks, reference):
+    (r0, r1), _ = ranks
+    assert r0["story"]["validate"] == r1["story"]["validate"]
+    assert _close(r0["story"]["validate"], reference["validate"])
+    assert r0["story"]["preds"].shape == reference["preds"].shape == (359, 10)
+    assert _max_diff([r0["story"]["preds"]], [reference["preds"]]) <= TOL
+
+
+def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    learn = digits_learner(digits_data(tmp_path, bs=32, val_bs=2, n_valid=3))  # batches of 2 and 1 items
+    learn.fit(1, 1e-2)
+    expected = learn.recorder.val_losses + learn.recorder.metrics[0][:2]
+    assert _close(r0["tiny_valid"], expected) and _close(r1["tiny_valid"], expected)
+
+
+def test_plain_model_and_original_loaders_are_back_after_each_fit(ranks):
+    (r0, r1), _ = ranks
+    assert r0["story"]["restored"] and r1["story"]["restored"]
+
+
+def test_lr_find_sweeps_once_on_rank0_like_one_process_and_keeps_the_weights(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = sweep(digits_learner(digits_data(tmp_path, bs=16)))  # rank 0 sweeps alone, with its own batch
+    for stage in ("sweep_before", "sweep_after"):
+        assert r0["story"][stage] == r1["story"][stage]
+        assert r0["story"][stage]["kept_weights"]
+    assert len(r0["story"]["sweep_before"]["lrs"]) == 20 and len(r0["story"]["sweep_after"]["lrs"]) == 10
+    assert _close(r0["story"]["sweep_before"], single)
+
+
+def test_lr_find_distributed_mode_sweeps_with_the_global_batch(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = sweep(digits_learner(digits_data(tmp_path, bs=32)))
+    assert r0["distributed_sweep"] == r1["distributed_sweep"]
+    assert _close(r0["distributed_sweep"], single)
+
+
+def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
+    (r0, r1), _ = ranks
+    n_train = 1797 - 359
+    for mine, theirs in zip(r0["orders"], r1["orders"]):
+        assert len(mine) == len(theirs) == n_train // 2
+        assert not set(mine) & set(theirs) and len(set(mine) | set(theirs)) == n_train
+    assert r0["orders"][0] != r0["orders"][1] != r0["orders"][2]
+
+
+def test_saved_and_loaded_weights_are_identical_on_every_rank(ranks):
+    (r0, r1), _ = ranks
+    assert _max_diff(r0["story"]["params_loaded"], r1["story"]["params_loaded"]) == 0
+    assert _max_diff(r0["story"]["params_loaded"], r0["story"]["params_unfrozen"]) == 0
+
+
+def test_only_rank0_draws_progress_and_the_results_table(ranks):
+    _, out = ranks
+    rank0, rank1 = ((out / f"stdout{r}.txt").read_text() for r in range(2))
+    assert rank0.count("train_loss") >= 4 and "Epoch 1/2" in rank0
+    assert "train_loss" not in rank1 and "Epoch" not in rank1
+
+
+def test_gc_callback_collects_at_the_end_of_each_fit(tmp_path, capsys):
+    learn = digits_learner(digits_data(tmp_path, bs=32))
+    learn.callback_fns.append(lambda learn: GCCallback(learn, verbose=True))
+    learn.fit(1, 1e-2)
+    learn.fit(1, 1e-2)
+    assert capsys.readouterr().out.count("GCCallback (rank 0): collected") == 2
+    assert isinstance(learn, Learner)

@@ -1,0 +1,51 @@
+"""Learner.to_ddp / from_ddp outside and inside a launched process (the launched fits are in test_callbacks)."""
+import pytest
+import torch
+
+import ddipp
+from ddipp import DistributedCallback, GCCallback, LRFinderBypassCallback
+from fastai.basic_data import DataBunch
+from fastai.basic_train import Learner
+from torch.utils.data import DataLoader, TensorDataset
+
+
+@pytest.fixture
+def learn(tmp_path):
+    ds = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    data = DataBunch(DataLoader(ds, 4), DataLoader(ds, 4), path=tmp_path, device=torch.device("cpu"), no_check=True)
+    return Learner(data, torch.nn.Linear(2, 1), loss_func=torch.nn.MSELoss())
+
+
+def _ddipp_callbacks(learn):
+    return [getattr(f, "func", f) for f in learn.callback_fns
+            if getattr(f, "func", f) in (DistributedCallback, LRFinderBypassCallback, GCCallback)]
+
+
+def test_to_ddp_is_a_no_op_in_a_plain_process(learn, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    before = list(learn.callback_fns)
+    assert learn.to_ddp() is learn and learn.callback_fns == before
+
+
+def test_to_ddp_attaches_the_callbacks_once_and_from_ddp_removes_them(learn, monkeypatch):
+    monkeypatch.setattr(ddipp.dist, "launched", lambda: True)
+    monkeypatch.setattr(ddipp.dist, "init", lambda: True)
+    learn.to_ddp().to_ddp()
+    assert _ddipp_callbacks(learn) == [DistributedCallback, LRFinderBypassCallback, GCCallback]
+    assert learn.from_ddp() is learn and _ddipp_callbacks(learn) == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gpus=[0, 3]), "to_ddp(gpus=[0, 3]) but the launcher started this group on cpu"),
+    (dict(nprocs=3), "to_ddp(nprocs=3) but the launcher started 2 processes")])
+def test_to_ddp_in_a_launched_process_refuses_devices_the_launcher_did_not_start(learn, monkeypatch, kwargs, message):
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", DDIPP_DEVICES="cpu").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        learn.to_ddp(**kwargs)
+
+
+def test_lr_find_bypass_names_the_allowed_modes(learn):
+    with pytest.raises(ValueError, match="mode='global'.*'solo'.*'distributed'"):
+        LRFinderBypassCallback(learn, mode="global")
