@@ -35,13 +35,12 @@ class DistributedCallback(LearnerCallback):
         self.distributed = False
 
     def on_train_begin(self, pbar, **kwargs) -> None:
-        if pbar is None:  # Learner.validate(): no bar, and no on_train_end to undo anything
+        if pbar is None or not ddist.init():  # Learner.validate() (no bar, no on_train_end), or not launched
             return
-        ddist.init()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.rank != 0:
             self.learn.recorder.silent = True
-            fastprogress.fastprogress.NO_BAR = True
+            hide_progress_bars()
         self.smoother = SmoothenValue(0.98)
         data, self.model = self.learn.data, self.learn.model
         self.learn.model = self._wrap(self.model)
@@ -121,6 +120,11 @@ def _convert_sync_bn(model: nn.Module):
         for parent, name, child in swaps:
             setattr(parent, name, child)
     return undo
+
+
+def hide_progress_bars() -> None:
+    """No fastprogress bars in this process (ranks other than 0: rank 0 draws them for everybody)."""
+    fastprogress.fastprogress.NO_BAR = True
 
 
 def _broadcast_seed() -> int:

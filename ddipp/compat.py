@@ -209,14 +209,19 @@ def _array(a, dtype=None, **kwargs):
 
 # SortishSampler (text classifier training) permutes a ragged list of index chunks with
 # np.random.permutation, which now raises; permute the chunk positions instead. Same bucketing.
+def sortish_chunks(sampler):
+    """SortishSampler's batches: random bs*50 blocks sorted by decreasing key, cut in batches of bs.
+
+    Returns the batch holding the longest item (fastai puts it first) and the others, in order."""
+    idxs = np.random.permutation(len(sampler.data_source))
+    sz = sampler.bs * 50
+    sort_idx = np.concatenate([sorted(idxs[i:i+sz], key=sampler.key, reverse=True) for i in range(0, len(idxs), sz)])
+    chunks = [sort_idx[i:i+sampler.bs] for i in range(0, len(sort_idx), sampler.bs)]
+    first = int(np.argmax([sampler.key(ck[0]) for ck in chunks]))
+    return chunks[first], chunks[:first] + chunks[first+1:]
+
+
 def _sortish_iter(self):
-    idxs = np.random.permutation(len(self.data_source))
-    sz = self.bs*50
-    ck_idx = [idxs[i:i+sz] for i in range(0, len(idxs), sz)]
-    sort_idx = np.concatenate([sorted(s, key=self.key, reverse=True) for s in ck_idx])
-    sz = self.bs
-    ck_idx = [sort_idx[i:i+sz] for i in range(0, len(sort_idx), sz)]
-    max_ck = np.argmax([self.key(ck[0]) for ck in ck_idx])  # the chunk with the longest item goes first
-    ck_idx[0], ck_idx[max_ck] = ck_idx[max_ck], ck_idx[0]
-    rest = [ck_idx[1:][i] for i in np.random.permutation(len(ck_idx) - 1)]
-    return iter(np.concatenate([ck_idx[0], *rest]).astype(np.int64))
+    first, rest = sortish_chunks(self)
+    rest = [rest[i] for i in np.random.permutation(len(rest))]
+    return iter(np.concatenate([first, *rest]).astype(np.int64))

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 from fastai.basic_train import Learner
 
 from . import dist
-from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
+from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
@@ -24,6 +24,8 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
                                   "built yet; start the script with python -m ddipp.launch")
     _check_matches_launch(gpus, nprocs)
     dist.init()
+    if not dist.is_rank0():
+        hide_progress_bars()  # also for validate() and get_preds() outside a fit
     from_ddp(learn)
     learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
                            partial(LRFinderBypassCallback, mode=lr_find_mode), GCCallback]

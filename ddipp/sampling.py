@@ -14,6 +14,8 @@ from fastai.basic_data import DeviceDataLoader
 from fastai.text.data import SortishSampler
 from torch.utils.data import BatchSampler, Sampler
 
+from .compat import sortish_chunks
+
 
 @contextmanager
 def _global_rngs_seeded(seed: int):
@@ -97,10 +99,24 @@ def unshard(x: Any, sizes: List[int]) -> Any:
     return whole
 
 
+class GlobalSortishSampler(SortishSampler):
+    """fastai's SortishSampler with batches of the global batch size N*b, the one short batch last.
+
+    Each global batch is a run of similar lengths, so every rank's batch of b is too; keeping the short
+    batch last keeps the later global batches aligned with the ranks' batches."""
+
+    def __iter__(self):
+        first, rest = sortish_chunks(self)
+        full = [ck for ck in rest if len(ck) == self.bs]
+        short = [ck for ck in rest if len(ck) < self.bs]
+        full = [full[i] for i in np.random.permutation(len(full))]
+        return iter(np.concatenate([first, *full, *short]).astype(np.int64))
+
+
 def _train_sampler(sampler: Sampler, world_size: int) -> Sampler:
-    """The order to shard: fastai's SortishSampler buckets by lengths over the global batch, so ranks stay alike."""
+    """The order to shard: fastai's SortishSampler buckets over the global batch, so each rank's batch is alike."""
     if isinstance(sampler, SortishSampler):
-        return SortishSampler(sampler.data_source, sampler.key, sampler.bs * world_size)
+        return GlobalSortishSampler(sampler.data_source, sampler.key, sampler.bs * world_size)
     return sampler
 
 

@@ -17,7 +17,7 @@ from ddipp import GCCallback
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
-from scenario import digits_data, digits_learner, story, sweep  # noqa: E402
+from scenario import decisions, digits_data, digits_learner, failed_fit, story, sweep  # noqa: E402
 
 TOL = 1e-5
 
@@ -68,6 +68,8 @@ def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, refer
 
 def test_validate_and_get_preds_between_fits_cover_the_whole_set(ranks, reference):
     (r0, r1), _ = ranks
+    assert r0["story"]["validate_before"] == r1["story"]["validate_before"]
+    assert _close(r0["story"]["validate_before"], reference["validate_before"])
     assert r0["story"]["validate"] == r1["story"]["validate"]
     assert _close(r0["story"]["validate"], reference["validate"])
     assert r0["story"]["preds"].shape == reference["preds"].shape == (359, 10)
@@ -89,6 +91,7 @@ def test_plain_model_and_original_loaders_are_back_after_each_fit(ranks):
 
 def test_lr_find_sweeps_once_on_rank0_like_one_process_and_keeps_the_weights(ranks, tmp_path):
     (r0, r1), _ = ranks
+    assert r0["story"]["plot"] and r1["story"]["plot"]  # recorder.plot() works on every rank
     single = sweep(digits_learner(digits_data(tmp_path, bs=16)))  # rank 0 sweeps alone, with its own batch
     for stage in ("sweep_before", "sweep_after"):
         assert r0["story"][stage] == r1["story"][stage]
@@ -113,17 +116,37 @@ def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
     assert r0["orders"][0] != r0["orders"][1] != r0["orders"][2]
 
 
-def test_saved_and_loaded_weights_are_identical_on_every_rank(ranks):
+def test_saved_exported_and_loaded_weights_are_identical_on_every_rank(ranks):
     (r0, r1), _ = ranks
     assert _max_diff(r0["story"]["params_loaded"], r1["story"]["params_loaded"]) == 0
     assert _max_diff(r0["story"]["params_loaded"], r0["story"]["params_unfrozen"]) == 0
+    for rank in (r0, r1):  # export on rank 0, load_learner on both after the barrier
+        assert _max_diff(rank["exported"]["loaded"], r0["exported"]["trained"]) == 0
+
+
+def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fit_works(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = failed_fit(digits_learner(digits_data(tmp_path, bs=32)))
+    for rank in (r0, r1):
+        assert rank["failed_fit"]["raised"] == "failing on purpose" and rank["failed_fit"]["restored"]
+        assert _max_diff(rank["failed_fit"]["params"], single["params"]) <= TOL
+
+
+def test_callbacks_deciding_from_validation_decide_alike_on_every_rank_and_as_one_process(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = decisions(digits_learner(digits_data(tmp_path, bs=32)))
+    assert r0["decisions"]["lrs"] == r1["decisions"]["lrs"] and r0["decisions"]["losses"] == r1["decisions"]["losses"]
+    assert len(single["val_losses"]) < 8  # it did stop early, and lowered the lr
+    assert _close({k: v for k, v in r0["decisions"].items() if k != "params"},
+                  {k: v for k, v in single.items() if k != "params"})
+    assert _max_diff(r0["decisions"]["params"], single["params"]) <= TOL  # SaveModelCallback reloaded the best
 
 
 def test_only_rank0_draws_progress_and_the_results_table(ranks):
     _, out = ranks
     rank0, rank1 = ((out / f"stdout{r}.txt").read_text() for r in range(2))
-    assert rank0.count("train_loss") >= 4 and "Epoch 1/2" in rank0
-    assert "train_loss" not in rank1 and "Epoch" not in rank1
+    assert rank0.count("train_loss") >= 4 and "Epoch 1/2" in rank0 and "00:00<" in rank0
+    assert "train_loss" not in rank1 and "00:00<" not in rank1 and "/2 :" not in rank1
 
 
 def test_gc_callback_collects_at_the_end_of_each_fit(tmp_path, capsys):

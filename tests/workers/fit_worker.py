@@ -9,7 +9,8 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 import ddipp  # noqa: E402
-from scenario import EpochOrders, digits_data, digits_learner, story, sweep  # noqa: E402
+from scenario import (EpochOrders, decisions, digits_data, digits_learner, exported, failed_fit, story,  # noqa: E402
+                      sweep, tabular_digits_learner)
 
 out = Path(sys.argv[1])
 rank = ddipp.rank()
@@ -24,4 +25,7 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     learn.callback_fns.append(EpochOrders)
     learn.fit(3, 1e-2)
     res["orders"] = learn.epoch_orders.orders
+    res["failed_fit"] = failed_fit(digits_learner(digits_data(out / "work", bs=16)).to_ddp())
+    res["decisions"] = decisions(digits_learner(digits_data(out / "work", bs=16)).to_ddp())
+    res["exported"] = exported(tabular_digits_learner(out / "work").to_ddp())
 torch.save(res, out / f"rank{rank}.pt")

@@ -1,8 +1,13 @@
 """One training story, run by the tests in one process (the reference) and by fit_worker.py on 2 ranks."""
+from functools import partial
+
+import pandas as pd
 import torch
 from fastai.basic_data import DataBunch
-from fastai.basic_train import Learner, LearnerCallback
+from fastai.basic_train import Learner, LearnerCallback, load_learner
+from fastai.callbacks import EarlyStoppingCallback, ReduceLROnPlateauCallback, SaveModelCallback
 from fastai.metrics import FBeta, accuracy
+from fastai.tabular import Normalize, TabularList, tabular_learner
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -57,7 +62,9 @@ def sweep(learn, num_it=20):
 def story(learn):
     """lr_find, fit, validate, get_preds, freeze/fit, unfreeze/fit, lr_find, save/load: what each left behind."""
     res, loaders = {}, (learn.data.train_dl, learn.data.valid_dl)
+    res["validate_before"] = [float(v) for v in learn.validate(metrics=[accuracy, batch_max_prob])]
     res["sweep_before"] = sweep(learn)
+    res["plot"] = learn.recorder.plot(return_fig=True) is not None
     learn.fit_one_cycle(2, 1e-2)
     res["fit"], res["params_fit"] = history(learn), params(learn)
     res["restored"] = (type(learn.model) is nn.Sequential
@@ -78,6 +85,54 @@ def story(learn):
     learn.load("final")
     res["params_loaded"] = params(learn)
     return res
+
+
+def tabular_digits_learner(path):
+    """A tabular learner on the digits features (fastai data blocks, so it can be exported)."""
+    digits = load_digits()
+    df = pd.DataFrame(digits.data, columns=[f"p{i}" for i in range(64)]).assign(label=digits.target)
+    data = (TabularList.from_df(df, path=path, cont_names=list(df.columns[:64]), procs=[Normalize])
+            .split_by_idx(list(range(359))).label_from_df("label").databunch(bs=16, num_workers=0))
+    learn = tabular_learner(data, layers=[32], metrics=accuracy)
+    return learn
+
+
+def exported(learn):
+    """Fit, export, load_learner: the trained and the loaded weights."""
+    learn.fit(1, 1e-2)
+    learn.export("final.pkl")
+    return dict(trained=params(learn), loaded=params(load_learner(learn.path, "final.pkl")))
+
+
+class RaiseAt(LearnerCallback):
+    """Fails the fit at its 4th training batch."""
+
+    def on_batch_end(self, iteration, **kwargs):
+        if iteration == 3:
+            raise RuntimeError("failing on purpose")
+
+
+def failed_fit(learn):
+    """A fit that raises: is the plain model and the original loaders back, and does the next fit work?"""
+    loaders = (learn.data.train_dl, learn.data.valid_dl)
+    learn.callback_fns.append(RaiseAt)
+    try:
+        learn.fit(1, 1e-2)
+    except RuntimeError as e:
+        raised = str(e)
+    restored = type(learn.model) is nn.Sequential and (learn.data.train_dl, learn.data.valid_dl) == loaders
+    learn.callback_fns.pop()
+    learn.fit(1, 1e-2)
+    return dict(raised=raised, restored=restored, params=params(learn))
+
+
+def decisions(learn):
+    """Callbacks that decide from validation numbers: keep the best, stop early, lower the lr on a plateau."""
+    learn.callback_fns += [partial(SaveModelCallback, monitor="accuracy", name="best"),
+                           partial(EarlyStoppingCallback, monitor="valid_loss", min_delta=0.02, patience=1),
+                           partial(ReduceLROnPlateauCallback, monitor="valid_loss", min_delta=0.02, patience=0)]
+    learn.fit(8, 2e-2)
+    return dict(history(learn), params=params(learn))
 
 
 class EpochOrders(LearnerCallback):
