@@ -5,8 +5,10 @@ PY      = $(VENV)/bin/python
 
 .PHONY: demo test
 
+# 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU
 demo: $(VENV)/.installed
-	$(PY) examples/scripts/train_digits.py
+	$(PY) -m ddipp.launch $$($(PY) -c "import torch; print('--gpus all' if torch.cuda.is_available() else '--nproc 2')") \
+		examples/scripts/train_digits.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest tests

@@ -8,7 +8,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from fastai.torch_core import defaults
 
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
 
@@ -52,6 +51,8 @@ def device() -> torch.device:
 
 def bind_device() -> torch.device:
     """Make this rank's device fastai's default, so data and models built next land on it."""
+    from fastai.torch_core import defaults  # here, so that the launcher (which imports DEVICES_ENV) needs no fastai
+
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -63,6 +63,7 @@ def story(learn):
     """lr_find, fit, validate, get_preds, freeze/fit, unfreeze/fit, lr_find, save/load: what each left behind."""
     res, loaders = {}, (learn.data.train_dl, learn.data.valid_dl)
     res["validate_before"] = [float(v) for v in learn.validate(metrics=[accuracy, batch_max_prob])]
+    res["preds_before"] = learn.get_preds()[0]
     res["sweep_before"] = sweep(learn)
     res["plot"] = learn.recorder.plot(return_fig=True) is not None
     learn.fit_one_cycle(2, 1e-2)
