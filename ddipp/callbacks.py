@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import dist as ddist
-from .sampling import ShardedEvalBatchSampler, shard_eval_loader, shard_train_loader, unshard
+from .sampling import shard_eval_loader, shard_train_loader, unshard
 
 
 class DistributedCallback(LearnerCallback):
@@ -138,7 +138,7 @@ class LRFinderBypassCallback(LearnerCallback):
     """`lr_find` under DDP: sweeps once and leaves every rank with the same weights and the same recorder.
 
     mode='solo': rank 0 sweeps alone on the whole data (what one GPU would show) while the others wait,
-    then the recorded lrs and losses are broadcast. mode='distributed': all ranks sweep together with the global batch."""
+    then the recorded lrs and losses are broadcast. mode='distributed': all ranks sweep with the global batch."""
     _order = 1  # after fastai's LRFinder (0), which it recognises and stops
 
     def __init__(self, learn: Learner, mode: str = "solo"):
@@ -200,4 +200,5 @@ class GCCallback(LearnerCallback):
             torch.cuda.empty_cache()
         if self.verbose:
             freed = (reserved - torch.cuda.memory_reserved()) / 2**20 if cuda else 0.0
-            print(f"GCCallback (rank {ddist.rank()}): collected {objects} objects, released {freed:.1f} MiB of CUDA cache")
+            print(f"GCCallback (rank {ddist.rank()}): collected {objects} objects, "
+                  f"released {freed:.1f} MiB of CUDA cache")

@@ -52,7 +52,8 @@ def test_parse_gpus_keeps_the_order_given(spec, count, expected):
     ("1,2,1", 4, "GPU 1 listed twice"),
     ("x", 4, "'x' is not a GPU index"), ("0,,1", 4, "'' is not a GPU index"), ("", 4, "'' is not a GPU index"),
     ("-1", 4, "'-1' is not a GPU index"), ("1.5", 4, "'1.5' is not a GPU index"),
-    ("9", 4, "GPU 9 does not exist; this host has 4 GPUs (0-3)"), ("0,1", 1, "GPU 1 does not exist; this host has 1 GPU (0-0)"),
+    ("9", 4, "GPU 9 does not exist; this host has 4 GPUs (0-3)"),
+    ("0,1", 1, "GPU 1 does not exist; this host has 1 GPU (0-0)"),
     ("0", 0, "this host has no GPU; use --nproc N"), ("all", 0, "this host has no GPU; use --nproc N")])
 def test_parse_gpus_names_what_is_wrong(spec, count, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -1,4 +1,4 @@
-"""Started by tests/test_launch.py under ddipp.launch: records what the launcher gave this rank, then joins the group."""
+"""Started by tests/test_launch.py under ddipp.launch: records what the launcher gave this rank, joins the group."""
 import json
 import os
 import sys

@@ -6,9 +6,10 @@ from torch.distributed import TCPStore
 
 store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                  timeout=timedelta(hours=1))
+waiting = f"rank 0 waits in attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}"  # the store outlives attempts
 if os.environ["RANK"] == "1":
-    store.wait(["rank 0 waits"])
+    store.wait([waiting])
     raise RuntimeError("rank 1 gives up on purpose")
 print("rank 0 waits for rank 1, forever", flush=True)
-store.set("rank 0 waits", "1")
+store.set(waiting, "1")
 store.get("a key rank 1 never sets")  # blocks: only the launcher can end this process
