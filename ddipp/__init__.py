@@ -11,10 +11,11 @@ if sys.argv[:1] != ["-m"]:
     from . import dist
     from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
     from .dist import barrier, device, is_rank0, rank, world_size
+    from .interactive.group import shutdown
     from .learner import from_ddp, to_ddp  # also adds Learner.to_ddp / Learner.from_ddp
 
     if dist.launched():
         dist.bind_device()
 
-__all__ = ["rank", "world_size", "is_rank0", "device", "barrier", "to_ddp", "from_ddp",
+__all__ = ["rank", "world_size", "is_rank0", "device", "barrier", "to_ddp", "from_ddp", "shutdown",
            "DistributedCallback", "LRFinderBypassCallback", "GCCallback"]

@@ -5,11 +5,13 @@ this process, so the same script runs with and without DDP.
 """
 import atexit
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
+TIMEOUT_ENV = "DDIPP_TIMEOUT"  # seconds a collective may wait for the other ranks (torch's default if unset)
 
 
 def launched() -> bool:
@@ -67,10 +69,12 @@ def init() -> bool:
     if not launched():
         return False
     dev = bind_device()
+    timeout = os.environ.get(TIMEOUT_ENV)
+    timeout = {"timeout": timedelta(seconds=float(timeout))} if timeout else {}
     if dev.type == "cuda":
-        dist.init_process_group("nccl", init_method="env://", device_id=dev)
+        dist.init_process_group("nccl", init_method="env://", device_id=dev, **timeout)
     else:
-        dist.init_process_group("gloo", init_method="env://")
+        dist.init_process_group("gloo", init_method="env://", **timeout)
     atexit.register(teardown)
     return True
 

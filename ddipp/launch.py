@@ -47,17 +47,23 @@ def parse_gpus(spec: str, device_count: int) -> list[int]:
     for item in spec.split(","):
         if not item.strip().isdecimal():
             raise ValueError(f"{item!r} is not a GPU index; give indices like --gpus 0,1 or --gpus all")
-        gpu = int(item)
-        if gpu in gpus:
-            raise ValueError(f"GPU {gpu} listed twice; give each GPU once, e.g. --gpus 0,1")
-        gpus.append(gpu)
+        gpus.append(int(item))
+    check_gpus(gpus, device_count, "--gpus 0,1", "--nproc N")
+    return gpus
+
+
+def check_gpus(gpus: list[int], device_count: int, example: str, cpu_example: str) -> None:
+    """ValueError if `gpus` repeats a GPU or names one this host lacks; the fixes are spelt like `example`
+    (a valid list, as the user writes it) and `cpu_example` (how to ask for CPU processes instead)."""
+    for i, gpu in enumerate(gpus):
+        if gpu in gpus[:i]:
+            raise ValueError(f"GPU {gpu} listed twice; give each GPU once, e.g. {example}")
     for gpu in gpus:
         if device_count == 0:
-            raise ValueError(NO_GPU_HINT)
+            raise ValueError(f"this host has no GPU; use {cpu_example} to run N CPU processes")
         if gpu >= device_count:
             raise ValueError(f"GPU {gpu} does not exist; this host has {device_count} GPU"
                              f"{'s' if device_count > 1 else ''} (0-{device_count - 1})")
-    return gpus
 
 
 class _Parser(argparse.ArgumentParser):

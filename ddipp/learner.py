@@ -1,27 +1,33 @@
 """`Learner.to_ddp` / `Learner.from_ddp`, added the way fastai v1 adds `to_fp16` and `to_distributed`."""
 import os
 from functools import partial
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from fastai.basic_train import Learner
 
 from . import dist
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
+from .launch import check_gpus
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
 
 def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None,
            sync_bn: bool = False, find_unused_parameters: Optional[bool] = None,
-           lr_find_mode: str = "solo") -> Learner:
-    """Make every later fit of `learn` distributed over the launcher's group; a no-op in a plain process.
+           lr_find_mode: str = "solo", timeout: float = 600) -> Learner:
+    """Make every later fit of `learn` distributed; a no-op in a plain process given neither `gpus` nor `nprocs`.
 
-    In a launched process `gpus`/`nprocs` may be left out; given, they must match what the launcher started."""
+    In a launched process it joins the launcher's group (`gpus`/`nprocs`, if given, must match it). Elsewhere
+    (a notebook) it binds `learn` to a persistent group of worker processes, one per GPU of `gpus` in that
+    order or `nprocs` CPU processes, on which each fit runs; `timeout` is how many seconds a rank may wait for
+    the others in a collective before the fit fails instead of hanging."""
+    options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
     if not dist.launched():
         if gpus is None and nprocs is None:
             return learn
-        raise NotImplementedError(f"to_ddp(gpus={gpus}, nprocs={nprocs}) outside a launcher (notebook mode) is not "
-                                  "built yet; start the script with python -m ddipp.launch")
+        from .interactive.binding import bind
+        bind(learn, _notebook_devices(gpus, nprocs), timeout, options)
+        return learn
     _check_matches_launch(gpus, nprocs)
     dist.init()
     if not dist.is_rank0():
@@ -33,9 +39,31 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
 
 
 def from_ddp(learn: Learner) -> Learner:
-    """Back to plain single-process fastai: removes ddipp's callbacks."""
+    """Back to plain single-process fastai: removes ddipp's callbacks, or the binding to a notebook's workers."""
     learn.callback_fns = [f for f in learn.callback_fns if getattr(f, "func", f) not in _DDIPP_CALLBACKS]
+    if "ddp" in vars(learn):
+        from .interactive.binding import unbind
+        unbind(learn)
     return learn
+
+
+def _notebook_devices(gpus, nprocs) -> Tuple[str, ...]:
+    """The workers' devices, rank order: "cuda:i" for each of `gpus`, or "cpu" `nprocs` times."""
+    import torch
+    if gpus is not None and nprocs is not None:
+        raise ValueError(f"to_ddp(gpus={list(gpus)}, nprocs={nprocs}): give gpus for GPUs or nprocs for CPU "
+                         "processes, not both")
+    if nprocs is not None:
+        if not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"to_ddp(nprocs={nprocs!r}): nprocs is the number of CPU processes, a whole number >= 1")
+        return ("cpu",) * nprocs
+    if isinstance(gpus, int) or not all(isinstance(g, int) and g >= 0 for g in gpus) or not gpus:
+        raise ValueError(f"to_ddp(gpus={gpus!r}): gpus is a list of GPU indices, e.g. gpus=[0, 1]")
+    try:
+        check_gpus(list(gpus), torch.cuda.device_count(), "gpus=[0, 1]", "to_ddp(nprocs=N)")
+    except ValueError as e:
+        raise ValueError(f"to_ddp(gpus={list(gpus)}): {e}") from None
+    return tuple(f"cuda:{g}" for g in gpus)
 
 
 def _check_matches_launch(gpus, nprocs) -> None:

@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny data sets made on the spot (no downloads) and a one-thread torch."""
+"""Shared fixtures: tiny data sets made on the spot (no downloads), a one-thread torch, and the scenario
+(tests/workers/scenario.py) played once launched on 2 ranks and once in one process, for every module."""
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -6,7 +9,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+WORKERS = ROOT / "tests" / "workers"
+sys.path[:0] = [str(ROOT / "examples"), str(WORKERS)]
 torch.set_num_threads(1)
 
 
@@ -14,3 +18,23 @@ torch.set_num_threads(1)
 def digits_path(tmp_path_factory):
     from digits import digits_folder
     return digits_folder(tmp_path_factory.mktemp("data") / "digits")
+
+
+@pytest.fixture(scope="session")
+def ranks(tmp_path_factory):
+    """What tests/workers/fit_worker.py saw on each of 2 launched ranks (per-rank batch 16), and its folder."""
+    import ddipp
+    out = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{ddipp.dist.DEVICES_ENV: "cpu"})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKERS / "fit_worker.py"), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)], out
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The scenario's story in one process with batch 32, the global batch of 2 ranks."""
+    from scenario import digits_data, digits_learner, story
+    return story(digits_learner(digits_data(tmp_path_factory.mktemp("ref"), bs=32)))

@@ -1,80 +1,38 @@
 """DistributedCallback, LRFinderBypassCallback, GCCallback: a real 2-rank gloo run against one process.
 
-One launched run (tests/workers/fit_worker.py) plays tests/workers/scenario.py with per-rank batch 16;
-the reference plays it here in one process with batch 32 (the global batch).
+One launched run (tests/workers/fit_worker.py, the `ranks` fixture) plays tests/workers/scenario.py with
+per-rank batch 16; the `reference` plays it here in one process with batch 32 (the global batch).
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-import torch
 from fastai.basic_train import Learner
 
-import ddipp
 from ddipp import GCCallback
-
-WORKERS = Path(__file__).parent / "workers"
-sys.path.insert(0, str(WORKERS))
-from scenario import decisions, digits_data, digits_learner, failed_fit, story, sweep  # noqa: E402
-
-TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{ddipp.dist.DEVICES_ENV: "cpu"})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKERS / "fit_worker.py"), str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)], out
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return story(digits_learner(digits_data(tmp_path_factory.mktemp("ref"), bs=32)))
-
-
-def _max_diff(a, b):
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
-
-
-def _close(a, b, tol=TOL):
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
-    if a is None or isinstance(a, bool):
-        return a == b
-    return abs(float(a) - float(b)) <= tol
+from scenario import TOL, close, decisions, digits_data, digits_learner, failed_fit, max_diff, sweep
 
 
 @pytest.mark.parametrize("stage", ["params_fit", "params_frozen", "params_unfrozen"])
 def test_two_ranks_train_the_parameters_one_process_trains_with_the_global_batch(ranks, reference, stage):
     (r0, r1), _ = ranks
-    assert _max_diff(r0["story"][stage], r1["story"][stage]) == 0
-    assert _max_diff(r0["story"][stage], reference[stage]) <= TOL
+    assert max_diff(r0["story"][stage], r1["story"][stage]) == 0
+    assert max_diff(r0["story"][stage], reference[stage]) <= TOL
 
 
 @pytest.mark.parametrize("stage", ["fit", "fit_frozen", "fit_unfrozen"])
 def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, reference, stage):
     (r0, r1), _ = ranks
     assert r0["story"][stage] == r1["story"][stage]
-    assert _close(r0["story"][stage], reference[stage])  # losses, val losses, accuracy, a batch-wise metric, FBeta
+    assert close(r0["story"][stage], reference[stage])  # losses, val losses, accuracy, a batch-wise metric, FBeta
 
 
 def test_validate_and_get_preds_between_fits_cover_the_whole_set(ranks, reference):
     (r0, r1), _ = ranks
     assert r0["story"]["validate_before"] == r1["story"]["validate_before"]
-    assert _close(r0["story"]["validate_before"], reference["validate_before"])
+    assert close(r0["story"]["validate_before"], reference["validate_before"])
     assert r0["story"]["validate"] == r1["story"]["validate"]
-    assert _close(r0["story"]["validate"], reference["validate"])
+    assert close(r0["story"]["validate"], reference["validate"])
     for stage in ("preds_before", "preds"):
         assert r0["story"][stage].shape == reference[stage].shape == (359, 10)
-        assert _max_diff([r0["story"][stage], r1["story"][stage]], [reference[stage]] * 2) <= TOL
+        assert max_diff([r0["story"][stage], r1["story"][stage]], [reference[stage]] * 2) <= TOL
 
 
 def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path):
@@ -82,7 +40,7 @@ def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path
     learn = digits_learner(digits_data(tmp_path, bs=32, val_bs=2, n_valid=3))  # batches of 2 and 1 items
     learn.fit(1, 1e-2)
     expected = learn.recorder.val_losses + learn.recorder.metrics[0][:2]
-    assert _close(r0["tiny_valid"], expected) and _close(r1["tiny_valid"], expected)
+    assert close(r0["tiny_valid"], expected) and close(r1["tiny_valid"], expected)
 
 
 def test_plain_model_and_original_loaders_are_back_after_each_fit(ranks):
@@ -98,14 +56,14 @@ def test_lr_find_sweeps_once_on_rank0_like_one_process_and_keeps_the_weights(ran
         assert r0["story"][stage] == r1["story"][stage]
         assert r0["story"][stage]["kept_weights"]
     assert len(r0["story"]["sweep_before"]["lrs"]) == 20 and len(r0["story"]["sweep_after"]["lrs"]) == 10
-    assert _close(r0["story"]["sweep_before"], single)
+    assert close(r0["story"]["sweep_before"], single)
 
 
 def test_lr_find_distributed_mode_sweeps_with_the_global_batch(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = sweep(digits_learner(digits_data(tmp_path, bs=32)))
     assert r0["distributed_sweep"] == r1["distributed_sweep"]
-    assert _close(r0["distributed_sweep"], single)
+    assert close(r0["distributed_sweep"], single)
 
 
 def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
@@ -119,10 +77,10 @@ def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
 
 def test_saved_exported_and_loaded_weights_are_identical_on_every_rank(ranks):
     (r0, r1), _ = ranks
-    assert _max_diff(r0["story"]["params_loaded"], r1["story"]["params_loaded"]) == 0
-    assert _max_diff(r0["story"]["params_loaded"], r0["story"]["params_unfrozen"]) == 0
+    assert max_diff(r0["story"]["params_loaded"], r1["story"]["params_loaded"]) == 0
+    assert max_diff(r0["story"]["params_loaded"], r0["story"]["params_unfrozen"]) == 0
     for rank in (r0, r1):  # export on rank 0, load_learner on both after the barrier
-        assert _max_diff(rank["exported"]["loaded"], r0["exported"]["trained"]) == 0
+        assert max_diff(rank["exported"]["loaded"], r0["exported"]["trained"]) == 0
 
 
 def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fit_works(ranks, tmp_path):
@@ -130,7 +88,7 @@ def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fi
     single = failed_fit(digits_learner(digits_data(tmp_path, bs=32)))
     for rank in (r0, r1):
         assert rank["failed_fit"]["raised"] == "failing on purpose" and rank["failed_fit"]["restored"]
-        assert _max_diff(rank["failed_fit"]["params"], single["params"]) <= TOL
+        assert max_diff(rank["failed_fit"]["params"], single["params"]) <= TOL
 
 
 def test_callbacks_deciding_from_validation_decide_alike_on_every_rank_and_as_one_process(ranks, tmp_path):
@@ -138,9 +96,9 @@ def test_callbacks_deciding_from_validation_decide_alike_on_every_rank_and_as_on
     single = decisions(digits_learner(digits_data(tmp_path, bs=32)))
     assert r0["decisions"]["lrs"] == r1["decisions"]["lrs"] and r0["decisions"]["losses"] == r1["decisions"]["losses"]
     assert len(single["val_losses"]) < 8  # it did stop early, and lowered the lr
-    assert _close({k: v for k, v in r0["decisions"].items() if k != "params"},
+    assert close({k: v for k, v in r0["decisions"].items() if k != "params"},
                   {k: v for k, v in single.items() if k != "params"})
-    assert _max_diff(r0["decisions"]["params"], single["params"]) <= TOL  # SaveModelCallback reloaded the best
+    assert max_diff(r0["decisions"]["params"], single["params"]) <= TOL  # SaveModelCallback reloaded the best
 
 
 def test_only_rank0_draws_progress_and_the_results_table(ranks):

@@ -13,6 +13,25 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
+TOL = 1e-5  # how close a 2-rank number must be to the one-process number (float summation order differs)
+
+
+def max_diff(a, b):
+    """The largest difference between two lists of tensors."""
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def close(a, b, tol=TOL):
+    """Equal structure, numbers within `tol`."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
+    if a is None or isinstance(a, bool):
+        return a == b
+    return abs(float(a) - float(b)) <= tol
+
+
 def batch_max_prob(out, targ):
     """A metric that depends on how the set is batched: exact only if every batch is the single-process one."""
     return out.softmax(-1).max()
@@ -145,3 +164,27 @@ class EpochOrders(LearnerCallback):
 
     def on_epoch_begin(self, **kwargs):
         self.orders.append([int(i) for i in self.learn.data.train_dl.dl.batch_sampler.sampler])
+
+
+def between_fits(learn, bs):
+    """What a notebook changes between fits: new data, new metrics (one a lambda), a callback class made here
+    (it travels by value), a reload of saved weights, freeze; and the optimizer state the fits leave."""
+    class BatchCounter(LearnerCallback):
+        def on_train_begin(self, **kwargs):
+            self.count = 0
+
+        def on_batch_end(self, train, **kwargs):
+            self.count += int(train)
+
+    learn.fit(1, 1e-2)
+    learn.save("first")
+    learn.data = digits_data(learn.path, bs=bs, n_valid=101)
+    learn.metrics = [accuracy, FBeta(average="macro"), lambda out, targ: (out.argmax(-1) == targ).float().mean()]
+    learn.callback_fns.append(BatchCounter)
+    learn.fit(1, 1e-2)
+    learn.load("first")
+    learn.freeze()
+    learn.fit(2, 1e-2)
+    opt_state = [learn.opt.opt.state[p] for p in learn.model.parameters() if p in learn.opt.opt.state]
+    return dict(history(learn), params=params(learn), batches=learn.batch_counter.count,
+                opt_state=[s["exp_avg"] for s in opt_state])

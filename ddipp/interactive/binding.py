@@ -1,0 +1,47 @@
+"""A notebook's learner bound to a worker group: its fits run on the group, their results land on it."""
+import types
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+from fastai.basic_train import Learner
+from fastai.core import defaults, listify
+
+from .fitting import apply_results, fit_call
+from .group import _groups, group_for
+
+
+@dataclass
+class Binding:
+    """Where a bound learner's fits run, and the options of ddipp's callbacks there."""
+    devices: Tuple[str, ...]
+    timeout: float
+    options: dict
+
+
+def bind(learn: Learner, devices: Tuple[str, ...], timeout: float, options: dict) -> None:
+    """Run `learn`'s fits on the group on `devices`, starting it now if it is not running."""
+    if "ddp" in vars(learn):
+        unbind(learn)
+    group_for(devices, timeout).learners[id(learn)] = learn
+    learn.ddp = Binding(devices, timeout, options)
+    learn.fit = types.MethodType(fit_on_group, learn)  # what fit_one_cycle, lr_find, ... call
+
+
+def unbind(learn: Learner) -> None:
+    """Fit `learn` locally again; stop its group if no other learner uses it."""
+    binding = vars(learn).pop("ddp")
+    vars(learn).pop("fit", None)
+    group = _groups.get(binding.devices)
+    if group is not None:
+        group.learners.pop(id(learn), None)
+        if not group.learners:
+            group.stop()
+
+
+def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = None, callbacks: Any = None) -> None:
+    """`Learner.fit` on the worker group: same arguments, and afterwards the learner a local fit would leave."""
+    binding = learn.ddp
+    group = group_for(binding.devices, binding.timeout)
+    group.learners[id(learn)] = learn
+    results, bar = group.fit(learn.data, fit_call(learn, epochs, lr, wd, listify(callbacks)), binding.options)
+    apply_results(learn, results, bar)

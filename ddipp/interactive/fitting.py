@@ -1,0 +1,63 @@
+"""One notebook fit, both halves: the call the notebook sends, the fit a worker runs, the results that come back.
+
+The notebook's learner travels with everything but its data (which the workers already keep); the fit runs
+with ddipp's callbacks as in a launched script; rank 0 sends back what a local fit would have changed on the
+learner: weights, optimizer state, and the callbacks it attached (the recorder among them).
+"""
+from typing import Any, Callable, Optional
+
+import torch
+from fastai.basic_data import DataBunch, DeviceDataLoader
+from fastai.basic_train import Learner
+from fastai.callback import Callback
+
+from .progress import ProgressRelay, relayed_output
+from .shipping import data_objects, dumps, learner_objects, loads, move_optimizer_state
+
+
+def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
+    """The notebook's half: `learn.fit(epochs, lr, wd, callbacks)` as bytes, the learner's data as a reference."""
+    return dumps(dict(learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks),
+                 objects=data_objects(learn.data), learner=learn)
+
+
+def place_data(data: DataBunch, device: torch.device) -> DataBunch:
+    """Make `data` deliver its batches on `device` (the notebook's may be another GPU, or none)."""
+    data.device = device
+    for dl in vars(data).values():
+        if isinstance(dl, DeviceDataLoader):
+            dl.device = device
+    return data
+
+
+def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
+            send: Optional[Callable[[tuple], None]]) -> Optional[bytes]:
+    """A worker's half: run the call under DDP; on rank 0 (the one given `send`) relay progress, return results."""
+    request = loads(call, data_objects(data), device)
+    learn = request["learn"]
+    learn.model.to(device)
+    move_optimizer_state(learn)
+    learn.to_ddp(**options)
+    callbacks = request["callbacks"] + ([ProgressRelay(send)] if send else [])
+    with relayed_output(send):
+        learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks)
+    if send is None:
+        return None
+    return dumps(dict(state=learn.model.state_dict(), opt=learn.opt, callbacks=learn.callbacks,
+                      attrs=_attached_callbacks(learn)), objects=learner_objects(learn))
+
+
+def _attached_callbacks(learn: Learner) -> dict:
+    """The callbacks a fit left as attributes of the learner (learn.recorder, ...), ddipp's own excepted."""
+    return {name: value for name, value in vars(learn).items()
+            if isinstance(value, Callback) and not type(value).__module__.startswith("ddipp.")}
+
+
+def apply_results(learn: Learner, results: bytes, bar: Any) -> None:
+    """The notebook's half again: leave `learn` as the fit on rank 0 left its copy."""
+    got = loads(results, {**learner_objects(learn), "bar": bar}, learn.data.device)
+    learn.model.load_state_dict(got["state"])
+    learn.opt, learn.callbacks = got["opt"], got["callbacks"]
+    move_optimizer_state(learn)
+    for name, callback in got["attrs"].items():
+        setattr(learn, name, callback)

@@ -1,0 +1,237 @@
+"""The notebook's persistent group of worker processes: start, run a fit on it, report failures, stop.
+
+Workers are fresh interpreters (never a fork of the kernel, so a kernel that already used CUDA is fine),
+each in its own session so that a terminal's Ctrl-C reaches the notebook only, which then stops them all.
+The notebook hosts the rendezvous store; each worker talks to it over a private socket. Any failure —
+an exception on a rank, a rank that died, an interrupt — stops the whole group; the next fit starts a new
+one, and the notebook's learner keeps the weights it had before the failed fit.
+"""
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import cloudpickle
+import torch.distributed as dist
+
+from .. import dist as ddist
+from .progress import ProgressMirror
+from .shipping import digest, dumps
+from .worker import CONNECTION_FD_ENV
+
+START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class WorkerError(RuntimeError):
+    """A rank failed without an exception the notebook can rebuild: it died, or its error did not unpickle."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker, shown as the cause of the exception re-raised here."""
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
+
+
+class WorkerGroup:
+    """One worker process per device ("cpu" for each CPU process), ranks in the order of `devices`."""
+
+    def __init__(self, devices: Tuple[str, ...], timeout: float):
+        self.devices, self.timeout = devices, timeout
+        self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
+        self.data_digest = None
+        self.last_sent = {}  # bytes the last fit sent: "data", "call" (to all ranks) and "results" (back)
+        self.logs = Path(tempfile.mkdtemp(prefix="ddipp-workers-"))
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=START_TIMEOUT))
+        self.procs: List[subprocess.Popen] = []
+        self.conns: List[Connection] = []
+        started = time.monotonic()
+        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} ...", end="", flush=True)
+        try:
+            for rank in range(len(devices)):
+                self._spawn(rank)
+            self._collect("ready", deadline=started + START_TIMEOUT)
+        except BaseException:
+            print(" failed", flush=True)
+            self.kill()
+            raise
+        print(f" ready in {time.monotonic() - started:.1f} s", flush=True)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def _spawn(self, rank: int) -> None:
+        import socket
+        ours, theirs = socket.socketpair()
+        cpu = self.devices[0] == "cpu"
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(self.devices)),
+                   LOCAL_WORLD_SIZE=str(len(self.devices)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+                   PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
+                   **{ddist.DEVICES_ENV: "cpu" if cpu else ",".join(d.split(":")[1] for d in self.devices),
+                      ddist.TIMEOUT_ENV: str(self.timeout), CONNECTION_FD_ENV: str(theirs.fileno())})
+        if cpu:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.devices)))
+        with open(self.logs / f"rank{rank}.log", "wb") as log:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-c", "from ddipp.interactive.worker import main; main()"],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=[theirs.fileno()], start_new_session=True))
+        theirs.close()
+        self.conns.append(Connection(ours.detach()))
+
+    def fit(self, data: Any, call: bytes, options: dict) -> Tuple[bytes, Any]:
+        """Run one fit on every rank; rank 0's results and the notebook's bar that mirrored its progress."""
+        mirror = ProgressMirror()
+        try:
+            for conn in self.conns:
+                conn.send(("set_context", os.getcwd(), sys.path))
+            data_bytes = self._keep_data(data)
+            for conn in self.conns:
+                conn.send(("fit", self.data_digest, call, options))
+            results = self._collect("done", on_event=mirror)
+            self.last_sent = dict(data=data_bytes, call=len(call) * len(self.conns), results=len(results[0]))
+        except BaseException as e:
+            self.kill()
+            if isinstance(e, KeyboardInterrupt):
+                mirror.interrupt()
+            raise
+        return results[0], mirror.bar
+
+    def _keep_data(self, data: Any) -> int:
+        """Send `data` to every worker unless they already keep an equal one; the bytes sent."""
+        buffers = []
+        blob = dumps(data, buffers=buffers)
+        data_digest = digest(blob, buffers)
+        if data_digest == self.data_digest:
+            return 0
+        self.data_digest = None
+        for conn in self.conns:
+            conn.send(("keep_data", data_digest, blob, [buf.raw().nbytes for buf in buffers]))
+            for buf in buffers:
+                conn.send_bytes(buf.raw())
+        self.data_digest = data_digest
+        return (len(blob) + sum(buf.raw().nbytes for buf in buffers)) * len(self.conns)
+
+    def _collect(self, expected: str, on_event=None, deadline: Optional[float] = None) -> Dict[int, Any]:
+        """Serve the workers' messages until every rank sent `expected`; raise for the first rank that fails."""
+        pending, results = dict(zip(self.conns, range(len(self.conns)))), {}
+        while pending:
+            ready = wait(list(pending), timeout=1.0)
+            for conn in ready:
+                rank = pending[conn]
+                try:
+                    kind, *args = conn.recv()
+                except (EOFError, OSError):
+                    raise self._death(rank) from None
+                if kind == expected:
+                    results[rank] = args[0]
+                    del pending[conn]
+                elif kind == "error":
+                    raise _remote_error(rank, *args)
+                elif kind == "out":
+                    (sys.stderr if args[0] == "stderr" else sys.stdout).write(args[1])
+                else:
+                    on_event(tuple([kind, *args]))
+            for rank, proc in enumerate(self.procs):
+                if proc.poll() is not None:
+                    raise self._death(rank)
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerError(f"ddipp workers did not start within {START_TIMEOUT} s; "
+                                  f"{self._log_tail(min(pending.values()))}")
+        return results
+
+    def _death(self, rank: int) -> WorkerError:
+        proc = self.procs[rank]
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = ("closed its connection" if code is None else
+               f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+        return WorkerError(f"ddipp worker rank {rank} (pid {proc.pid}, {self.devices[rank]}) {how}; "
+                           f"{self._log_tail(rank)}")
+
+    def _log_tail(self, rank: int, lines: int = 20) -> str:
+        text = (self.logs / f"rank{rank}.log").read_text(errors="replace").splitlines()[-lines:]
+        return "its output ended with:\n" + "\n".join(text) if text else "it printed nothing"
+
+    def stop(self) -> None:
+        """Ask the workers to leave, then make sure they are gone."""
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every worker and whatever it started (its data loader processes), at once."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            proc.wait()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns, self.data_digest = [], [], None
+        _groups.pop(self.devices, None)
+        for path in self.logs.glob("*"):
+            path.unlink()
+        self.logs.rmdir()
+
+
+def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) -> BaseException:
+    """The exception a worker raised, rebuilt when possible, carrying its rank and remote traceback."""
+    try:
+        error = cloudpickle.loads(pickled) if pickled else None
+    except Exception:
+        error = None
+    if not isinstance(error, BaseException):
+        error = WorkerError(f"ddipp worker rank {rank} raised an exception that could not be rebuilt here")
+    error.add_note(f"(raised on rank {rank} of the ddipp worker group; the remote traceback is above)")
+    error.__cause__ = RemoteTraceback(remote_traceback)
+    return error
+
+
+_groups: Dict[Tuple[str, ...], WorkerGroup] = {}
+
+
+def group_for(devices: Tuple[str, ...], timeout: float) -> WorkerGroup:
+    """The running group on `devices`, started (or restarted with the new timeout) when needed."""
+    group = _groups.get(devices)
+    if group is not None and (not group.alive or group.timeout != timeout):
+        group.stop()
+        group = None
+    if group is None:
+        group = _groups[devices] = WorkerGroup(devices, timeout)
+    return group
+
+
+def shutdown() -> None:
+    """Stop every worker group of this process and free their devices."""
+    for group in list(_groups.values()):
+        group.stop()
+
+
+atexit.register(shutdown)

@@ -1,0 +1,144 @@
+"""Pickling a learner between the notebook and its workers: cloudpickle, minus what must not travel.
+
+Objects both sides already hold (the learner, its data and loaders, the model's modules and parameters,
+progress bars) travel as references to the receiver's own; CUDA tensors travel through the CPU and land on
+the receiver's device, so no process ever touches another's GPU; CPU tensors travel as numpy arrays whose
+bytes go out of band (no copy into the pickle, and equal data pickles to equal bytes); the weak references
+fastai's callbacks keep to their learner survive the trip.
+"""
+import copyreg
+import hashlib
+import io
+import pickle
+import weakref
+from typing import Any, Dict, Hashable, List, Tuple
+
+import cloudpickle
+import numpy as np
+import torch
+from fastai.basic_data import DataBunch, DeviceDataLoader
+from fastai.basic_train import Learner
+from fastprogress.fastprogress import MasterBar, ProgressBar
+
+BINDING_ATTRS = ("fit", "ddp")  # what Learner.to_ddp adds to a notebook's learner
+_receiver_device = torch.device("cpu")  # where CUDA tensors land while `loads` runs
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex64, torch.complex128, torch.int64,
+                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+
+
+def _on_receiver_device(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return tensor.to(_receiver_device).requires_grad_(requires_grad)
+
+
+def _tensor_from_numpy(array: np.ndarray, requires_grad: bool) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else array.copy()).requires_grad_(requires_grad)
+
+
+def _travels_as_numpy(tensor: torch.Tensor) -> bool:
+    """A plain dense CPU tensor of a dtype numpy has: pickled as an array, its bytes out of band."""
+    return (type(tensor) is torch.Tensor and not tensor.is_cuda and tensor.layout == torch.strided
+            and tensor.dtype in _NUMPY_DTYPES and not tensor.is_conj() and not tensor.is_neg())
+
+
+class _Gone:
+    pass
+
+
+def _weakref_to(obj: Any) -> weakref.ref:
+    return weakref.ref(obj) if obj is not None else weakref.ref(_Gone())  # a dead ref stays dead
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle with references for shared objects, CUDA tensors through the CPU, and picklable weakrefs."""
+
+    def __init__(self, file, refs: Dict[int, Tuple[Hashable, Any]], learner: Learner = None, buffers: list = None):
+        super().__init__(file, protocol=5, buffer_callback=None if buffers is None else buffers.append)
+        self.refs, self.learner = refs, learner
+
+    def persistent_id(self, obj):
+        ref = self.refs.get(id(obj))
+        if ref is not None:
+            return ref[0]
+        if isinstance(obj, (MasterBar, ProgressBar)):
+            return "bar"
+        return None
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.is_cuda:
+            return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad)
+        if _travels_as_numpy(obj):  # torch's own pickling copies the bytes and names them by address
+            return _tensor_from_numpy, (obj.detach().numpy(), obj.requires_grad)
+        if type(obj) is weakref.ReferenceType:
+            return _weakref_to, (obj(),)
+        if obj is self.learner:
+            return copyreg.__newobj__, (type(obj),), travelling_state(obj)
+        return super().reducer_override(obj)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, objects: Dict[Hashable, Any], buffers=None):
+        super().__init__(file, buffers=buffers)
+        self.objects = objects
+
+    def persistent_load(self, pid):
+        return self.objects.get(pid)
+
+
+def dumps(obj: Any, objects: Dict[Hashable, Any] = None, learner: Learner = None,
+          buffers: list = None) -> bytes:
+    """Pickle `obj`; the values of `objects` travel as their keys; `learner` travels without its fit-time state.
+
+    With `buffers`, large arrays are appended there out of band (pickle protocol 5) instead of being copied."""
+    refs = {id(o): (key, o) for key, o in (objects or {}).items() if o is not None}
+    file = io.BytesIO()
+    _Pickler(file, refs, learner, buffers).dump(obj)
+    return file.getvalue()
+
+
+def loads(blob: bytes, objects: Dict[Hashable, Any] = None, device: torch.device = torch.device("cpu"),
+          buffers=None) -> Any:
+    """Unpickle what `dumps` wrote: references resolve to the values of `objects`, CUDA tensors go to `device`."""
+    global _receiver_device
+    _receiver_device, previous = device, _receiver_device
+    try:
+        return _Unpickler(io.BytesIO(blob), objects or {}, buffers).load()
+    finally:
+        _receiver_device = previous
+
+
+def digest(blob: bytes, buffers: List[pickle.PickleBuffer]) -> str:
+    """A fingerprint of a pickle and its out-of-band buffers: equal data, equal digest."""
+    h = hashlib.blake2b(blob, digest_size=16)
+    for buf in buffers:
+        h.update(buf.raw())
+    return h.hexdigest()
+
+
+def travelling_state(learn: Learner) -> dict:
+    """The learner's attributes, without ddipp's binding to its worker group."""
+    return {k: v for k, v in vars(learn).items() if k not in BINDING_ATTRS}
+
+
+def data_objects(data: DataBunch) -> Dict[Hashable, Any]:
+    """The data bunch and its loaders, by the names both sides use for them."""
+    objects = {("dl", name): dl for name, dl in vars(data).items() if isinstance(dl, DeviceDataLoader)}
+    return {"data": data, **objects}
+
+
+def learner_objects(learn: Learner) -> Dict[Hashable, Any]:
+    """What both sides hold of a learner: itself, its data and loaders, the model's modules and parameters."""
+    objects = {"learn": learn, "model": learn.model, **data_objects(learn.data)}
+    objects.update({("module", i): m for i, m in enumerate(learn.model.modules())})
+    objects.update({("param", i): p for i, p in enumerate(learn.model.parameters())})
+    return objects
+
+
+def move_optimizer_state(learn: Learner) -> None:
+    """Put the optimizer's state tensors on the device of the parameter they belong to."""
+    opt = getattr(learn, "opt", None)
+    if not opt:
+        return
+    for param, state in opt.opt.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != param.device:
+                state[key] = value.to(param.device)
