@@ -1,4 +1,5 @@
-"""Learner.to_ddp / from_ddp outside and inside a launched process (the launched fits are in test_callbacks)."""
+"""Learner.to_ddp / from_ddp outside and inside a launched process (the launched fits are in test_callbacks,
+the notebook fits in tests/interactive)."""
 import pytest
 import torch
 
@@ -49,3 +50,20 @@ def test_to_ddp_in_a_launched_process_refuses_devices_the_launcher_did_not_start
 def test_lr_find_bypass_names_the_allowed_modes(learn):
     with pytest.raises(ValueError, match="mode='global'.*'solo'.*'distributed'"):
         LRFinderBypassCallback(learn, mode="global")
+
+
+@pytest.mark.parametrize("kwargs, gpu_count, message", [
+    (dict(gpus=[0, 0]), 4, "to_ddp(gpus=[0, 0]): GPU 0 listed twice; give each GPU once, e.g. gpus=[0, 1]"),
+    (dict(gpus=[1, 5]), 4, "to_ddp(gpus=[1, 5]): GPU 5 does not exist; this host has 4 GPUs (0-3)"),
+    (dict(gpus=[0]), 0, "to_ddp(gpus=[0]): this host has no GPU; use to_ddp(nprocs=N) to run N CPU processes"),
+    (dict(gpus="0,1"), 4, "to_ddp(gpus='0,1'): gpus is a list of GPU indices, e.g. gpus=[0, 1]"),
+    (dict(gpus=[]), 4, "to_ddp(gpus=[]): gpus is a list of GPU indices, e.g. gpus=[0, 1]"),
+    (dict(gpus=[0], nprocs=2), 4, "to_ddp(gpus=[0], nprocs=2): give gpus for GPUs or nprocs for CPU processes, "
+                                  "not both"),
+    (dict(nprocs=0), 0, "to_ddp(nprocs=0): nprocs is the number of CPU processes, a whole number >= 1")])
+def test_to_ddp_in_a_notebook_names_bad_devices_before_starting_anything(learn, monkeypatch, kwargs, gpu_count,
+                                                                         message):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpu_count)
+    with pytest.raises(ValueError) as raised:
+        learn.to_ddp(**kwargs)
+    assert str(raised.value) == message and "ddp" not in vars(learn)

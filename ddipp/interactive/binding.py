@@ -1,5 +1,5 @@
 """A notebook's learner bound to a worker group: its fits run on the group, their results land on it."""
-import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Tuple
 
@@ -24,7 +24,7 @@ def bind(learn: Learner, devices: Tuple[str, ...], timeout: float, options: dict
         unbind(learn)
     group_for(devices, timeout).learners[id(learn)] = learn
     learn.ddp = Binding(devices, timeout, options)
-    learn.fit = types.MethodType(fit_on_group, learn)  # what fit_one_cycle, lr_find, ... call
+    learn.fit = _FitOnGroup(learn)  # what fit_one_cycle, lr_find, ... call
 
 
 def unbind(learn: Learner) -> None:
@@ -36,6 +36,16 @@ def unbind(learn: Learner) -> None:
         group.learners.pop(id(learn), None)
         if not group.learners:
             group.stop()
+
+
+class _FitOnGroup:
+    """`learn.fit` of a bound learner; holds it weakly, so an abandoned learner is freed and leaves its group."""
+
+    def __init__(self, learn: Learner):
+        self.learn = weakref.ref(learn)
+
+    def __call__(self, *args, **kwargs) -> None:
+        fit_on_group(self.learn(), *args, **kwargs)
 
 
 def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = None, callbacks: Any = None) -> None:

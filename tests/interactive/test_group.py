@@ -1,0 +1,147 @@
+"""Faults in notebook mode: a rank that raises, dies or hangs, an interrupted or killed notebook; stopping.
+
+Each failure must surface here within seconds, leave the learner with its weights from before the fit,
+leave no process behind, and let the next fit run on a new group."""
+import gc
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from fastai.basic_train import LearnerCallback
+
+import ddipp
+from ddipp.interactive.group import WorkerError, _groups
+from scenario import digits_data, digits_learner, max_diff, params
+
+CPU2 = ("cpu", "cpu")
+WORKERS = os.path.join(os.path.dirname(__file__), "..", "workers")
+
+
+class FailOnRank1(LearnerCallback):
+    def on_batch_end(self, iteration, train, **kwargs):
+        if train and iteration == 3 and ddipp.rank() == 1:
+            raise ValueError("rank 1 fails on purpose")
+
+
+class DieOnRank1(LearnerCallback):
+    def on_batch_end(self, iteration, train, **kwargs):
+        if train and iteration == 3 and ddipp.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StallRank1(LearnerCallback):
+    """Rank 1 stops taking part (stuck outside torch), so rank 0 waits in the next gradient all-reduce."""
+
+    def on_batch_end(self, iteration, train, **kwargs):
+        if train and iteration == 3 and ddipp.rank() == 1:
+            threading.Event().wait()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _no_workers_left() -> bool:
+    return not psutil.Process().children(recursive=True)
+
+
+def _failing_fit(learn, callback, error, timeout=None):
+    """Fit with `callback` attached: the error raised, the seconds it took, whether the weights were kept."""
+    before = params(learn)
+    learn.callback_fns.append(callback)
+    started = time.monotonic()
+    with pytest.raises(error) as raised:
+        learn.fit(2, 1e-2)
+    took = time.monotonic() - started
+    learn.callback_fns.remove(callback)
+    return raised.value, took, max_diff(params(learn), before) == 0
+
+
+def test_an_exception_on_one_rank_raises_here_with_its_type_rank_and_traceback(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    error, took, kept = _failing_fit(learn, FailOnRank1, ValueError)
+    assert str(error) == "rank 1 fails on purpose" and took < 10 and kept
+    assert "raised on rank 1" in error.__notes__[0]
+    assert "in on_batch_end" in str(error.__cause__) and "FailOnRank1" not in str(error)
+    assert _no_workers_left()
+    learn.fit(1, 1e-2)  # on a new group
+    assert len(learn.recorder.val_losses) == 1
+
+
+def test_a_rank_that_dies_raises_a_worker_error_naming_it(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    error, took, kept = _failing_fit(learn, DieOnRank1, WorkerError)
+    assert "rank 1" in str(error) and "killed by SIGKILL" in str(error) and took < 15 and kept
+    assert _no_workers_left()
+
+
+def test_a_hung_collective_fails_after_the_timeout(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2, timeout=5)
+    error, took, kept = _failing_fit(learn, StallRank1, RuntimeError)
+    assert "raised on rank 0" in error.__notes__[0] and 5 <= took < 20 and kept
+    assert _no_workers_left()
+
+
+def test_from_ddp_stops_the_group_once_no_learner_uses_it_and_shutdown_stops_all(tmp_path):
+    gc.collect()  # learners of earlier tests
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    other = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    group = _groups[CPU2]
+    assert len(group.procs) == 2
+    learn.from_ddp()
+    assert group.alive and "fit" not in vars(learn) and "ddp" not in vars(learn)
+    learn.fit(1, 1e-2)  # locally again
+    other.from_ddp()
+    assert not group.procs and CPU2 not in _groups and _no_workers_left()
+    other.to_ddp(nprocs=2)
+    ddipp.shutdown()
+    assert not _groups and _no_workers_left()
+
+
+def _reader(proc):
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    return lines
+
+
+def _wait_for(lines, word, timeout=120):
+    """The rest of the first line from the process's stdout that contains `word`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        if word in line:
+            return line.split(word, 1)[1].split()
+
+
+def test_an_interrupted_notebook_stops_its_workers_and_a_killed_one_leaves_none(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=WORKERS)
+    proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "notebook_parent.py"), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = _reader(proc)
+        first = [int(pid) for pid in _wait_for(lines, "WORKERS")]
+        _wait_for(lines, "TRAINING")
+        proc.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        assert _wait_for(lines, "INTERRUPTED", timeout=30) == ["True"]  # weights from before the fit
+        assert time.monotonic() - interrupted < 10 and all(_gone(pid) for pid in first)
+        epochs, *second = _wait_for(lines, "REFIT")
+        assert epochs == "1" and len(second) == 2 and not set(map(int, second)) & set(first)
+        _wait_for(lines, "TRAINING")
+        proc.kill()
+        killed = time.monotonic()
+        while not all(_gone(int(pid)) for pid in second) and time.monotonic() - killed < 15:
+            time.sleep(0.2)  # polling the process table, not synchronising with it
+        assert all(_gone(int(pid)) for pid in second)
+    finally:
+        proc.kill()
+        proc.wait()
