@@ -1,0 +1,56 @@
+"""The example notebooks, run top to bottom in a real Jupyter kernel (nbclient + ipykernel) on CPU.
+
+Each must run without error, draw fastprogress's HTML bars and results table in its cells, reach its stated
+accuracy, and leave the notebook's learner with the weights rank 0 trained: the notebook saves its learner
+right after a fit whose SaveModelCallback made rank 0 write (and every rank reload) the best epoch."""
+import os
+import re
+
+import nbformat
+import pytest
+import torch
+from nbclient import NotebookClient
+
+import ddipp  # noqa: F401  (fastai's saved files hold numpy scalars, which ddipp.compat allows in torch.load)
+
+from conftest import ROOT
+
+NOTEBOOKS = ROOT / "examples" / "notebooks"
+# notebook: (accuracy it must print, at least; the file saved in the notebook; the file rank 0 saved)
+EXPECTED = {"vision_digits.ipynb": (0.85, "stage-2", "best"),
+            "to_ddp_after_local.ipynb": (0.93, "after-ddp", "best")}
+
+
+class RecordingClient(NotebookClient):
+    """Also keeps every HTML display and display update (a finished bar's last update leaves only its table)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.html = []
+
+    def process_message(self, msg, cell, cell_index):
+        self.html.append(msg["content"].get("data", {}).get("text/html", ""))
+        return super().process_message(msg, cell, cell_index)
+
+
+def test_every_notebook_is_tested():
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_notebook_runs_and_brings_rank0s_training_back(name, tmp_path, monkeypatch):
+    bound, saved_here, saved_by_rank0 = EXPECTED[name]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = RecordingClient(notebook, timeout=600, kernel_name="python3",
+                             resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    assert any(html.count("<progress") == 2 for html in client.html)  # the master bar and an epoch's bar
+    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+    html = "".join(out.get("data", {}).get("text/html", "") for out in outputs)
+    assert html.count("<th>train_loss</th>") >= 2  # the results tables, kept in the notebook
+    text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
+    accuracy = float(re.search(r"validation accuracy (\d\.\d+)", text).group(1))
+    assert accuracy >= bound, text
+    here, rank0 = (torch.load(next(tmp_path.rglob(f"{n}.pth")))["model"] for n in (saved_here, saved_by_rank0))
+    assert here.keys() == rank0.keys() and all(torch.equal(here[k], rank0[k]) for k in here)
