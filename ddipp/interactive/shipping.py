@@ -19,6 +19,7 @@ import torch
 from fastai.basic_data import DataBunch, DeviceDataLoader
 from fastai.basic_train import Learner
 from fastprogress.fastprogress import MasterBar, ProgressBar
+from torch import nn
 
 BINDING_ATTRS = ("fit", "ddp")  # what Learner.to_ddp adds to a notebook's learner
 _receiver_device = torch.device("cpu")  # where CUDA tensors land while `loads` runs
@@ -26,8 +27,9 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex64, t
                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
 
 
-def _on_receiver_device(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    return tensor.to(_receiver_device).requires_grad_(requires_grad)
+def _on_receiver_device(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    tensor = tensor.to(_receiver_device)
+    return nn.Parameter(tensor, requires_grad) if parameter else tensor.requires_grad_(requires_grad)
 
 
 def _tensor_from_numpy(array: np.ndarray, requires_grad: bool) -> torch.Tensor:
@@ -64,8 +66,8 @@ class _Pickler(cloudpickle.Pickler):
         return None
 
     def reducer_override(self, obj):
-        if type(obj) is torch.Tensor and obj.is_cuda:
-            return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad)
+        if type(obj) in (torch.Tensor, nn.Parameter) and obj.is_cuda:
+            return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad, type(obj) is nn.Parameter)
         if _travels_as_numpy(obj):  # torch's own pickling copies the bytes and names them by address
             return _tensor_from_numpy, (obj.detach().numpy(), obj.requires_grad)
         if type(obj) is weakref.ReferenceType:

@@ -1,0 +1,58 @@
+"""Pickling between the notebook and its workers: references, weak references, tensors, digests."""
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from ddipp.interactive.shipping import data_objects, digest, dumps, learner_objects, loads
+from scenario import digits_data, digits_learner
+
+
+def test_a_learner_travels_without_its_binding_and_its_callbacks_point_at_the_copy(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16))
+    learn.fit(1, 1e-2)  # leaves learn.recorder, which holds its learner through a weak reference
+    vars(learn).update(ddp="binding", fit="bound fit")
+    copy = loads(dumps(learn, objects=data_objects(learn.data), learner=learn), data_objects(learn.data))
+    assert "ddp" not in vars(copy) and "fit" not in vars(copy) and copy.data is learn.data
+    assert copy.recorder.learn is copy and copy.model is not learn.model
+    assert all(torch.equal(a, b) for a, b in zip(copy.model.parameters(), learn.model.parameters()))
+    assert [p for g in copy.opt.opt.param_groups for p in g["params"]] == list(copy.model.parameters())
+
+
+def test_shared_objects_travel_as_references_to_the_receivers_own(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16))
+    learn.fit(1, 1e-2)
+    objects = learner_objects(learn)
+    back = loads(dumps(dict(opt=learn.opt, first=learn.model[0]), objects=objects), objects)
+    assert back["first"] is learn.model[0]
+    assert all(p is q for p, q in zip(back["opt"].opt.param_groups[0]["params"], learn.model.parameters()))
+
+
+def test_equal_data_pickles_to_an_equal_digest_with_its_arrays_out_of_band(tmp_path):
+    first, second, changed = [], [], []
+    blob = dumps(digits_data(tmp_path, bs=16), buffers=first)
+    assert digest(blob, first) == digest(dumps(digits_data(tmp_path, bs=16), buffers=second), second)
+    assert digest(blob, first) != digest(dumps(digits_data(tmp_path, bs=32), buffers=changed), changed)
+    assert len(blob) < 10_000 and sum(b.raw().nbytes for b in first) > 400_000
+    data = loads(blob, buffers=first)
+    x, _ = data.train_ds.tensors
+    x += 1  # the arrays rebuilt on received buffers are writable tensors
+
+
+def test_a_dead_weak_reference_stays_dead():
+    class Owner:
+        pass
+    owner = Owner()
+    ref = __import__("weakref").ref(owner)
+    del owner
+    gc.collect()
+    assert loads(dumps(ref))() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensors_and_parameters_land_on_the_receivers_device():
+    layer = nn.Linear(2, 2).cuda()
+    back = loads(dumps(dict(layer=layer, buf=torch.ones(2, device="cuda"))), device=torch.device("cpu"))
+    assert back["layer"].weight.device.type == "cpu" and isinstance(back["layer"].weight, nn.Parameter)
+    assert back["buf"].device.type == "cpu" and torch.equal(back["layer"].weight, layer.weight.cpu())
