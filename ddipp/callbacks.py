@@ -8,17 +8,22 @@ lets it run to the epoch's end under DDP), and Learner.validate(), which calls o
 on_train_end, is recognised (it has no progress bar) and left undistributed.
 """
 import gc
+import tempfile
+from functools import partial
+from pathlib import Path
 
 import fastprogress.fastprogress
 import torch
 import torch.distributed as dist
 from fastai.basic_train import Learner, LearnerCallback
 from fastai.callback import SmoothenValue
+from fastai.callbacks import CSVLogger
+from fastai.text.data import pad_collate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import dist as ddist
-from .sampling import shard_eval_loader, shard_train_loader, unshard
+from .sampling import pad_to_longest, shard_eval_loader, shard_train_loader, unshard
 
 
 class DistributedCallback(LearnerCallback):
@@ -33,6 +38,7 @@ class DistributedCallback(LearnerCallback):
         super().__init__(learn)
         self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
         self.distributed = False
+        self.unmute = lambda: None
 
     def on_train_begin(self, pbar, **kwargs) -> None:
         if pbar is None or not ddist.init():  # Learner.validate() (no bar, no on_train_end), or not launched
@@ -41,12 +47,15 @@ class DistributedCallback(LearnerCallback):
         if self.rank != 0:
             self.learn.recorder.silent = True
             hide_progress_bars()
+            self.unmute = _csv_loggers_aside(self.learn)
         self.smoother = SmoothenValue(0.98)
         data, self.model = self.learn.data, self.learn.model
         self.learn.model = self._wrap(self.model)
         self.train_dl, self.valid_dl = data.train_dl, data.valid_dl
         data.train_dl = shard_train_loader(self.train_dl, self.rank, self.world_size, _broadcast_seed())
         self.train_sampler = data.train_dl.dl.batch_sampler.sampler
+        self.lm_streams = getattr(data.train_dl.dl.dataset, "set_epoch", None)  # language-model streams
+        self.padding = _padding(self.train_dl)
         self.eval_batches = None
         if self.valid_dl is not None:
             data.valid_dl = shard_eval_loader(self.valid_dl, self.rank, self.world_size)
@@ -64,8 +73,9 @@ class DistributedCallback(LearnerCallback):
         find_unused = self.find_unused_parameters
         if find_unused is None:  # fastai's RNNs (AWD-LSTM) leave some parameters out of some steps
             find_unused = hasattr(model, "reset")
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       find_unused_parameters=find_unused)
+        ddp = ResettableDDP if hasattr(model, "reset") else DistributedDataParallel
+        return ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   find_unused_parameters=find_unused)
 
     def undistribute(self) -> None:
         """Put back the plain model and the original loaders; the rest of the fit runs as one process."""
@@ -78,14 +88,20 @@ class DistributedCallback(LearnerCallback):
     def on_epoch_begin(self, epoch: int, **kwargs) -> None:
         if self.distributed:
             self.train_sampler.set_epoch(epoch)
+            if self.lm_streams:
+                self.lm_streams(epoch)
             self.valid_batch = 0
 
     def _validating(self, train: bool) -> bool:
         return self.distributed and not train and self.eval_batches is not None
 
-    def on_batch_begin(self, last_target, train: bool, **kwargs):
+    def on_batch_begin(self, last_input, last_target, train: bool, **kwargs):
+        changes = {}
+        if self.distributed and self.padding:  # padded text: as long as the global batch, as one process pads it
+            changes["last_input"] = pad_to_longest(last_input, *self.padding)
         if self._validating(train):
-            return {"last_target": unshard(last_target, self.eval_batches.sizes(self.valid_batch))}
+            changes["last_target"] = unshard(last_target, self.eval_batches.sizes(self.valid_batch))
+        return changes or None
 
     def on_loss_begin(self, last_output, train: bool, **kwargs):
         if self._validating(train):
@@ -105,6 +121,39 @@ class DistributedCallback(LearnerCallback):
 
     def on_train_end(self, **kwargs) -> None:
         self.undistribute()
+        self.unmute()
+        self.unmute = lambda: None
+
+
+class ResettableDDP(DistributedDataParallel):
+    """DDP of a fastai RNN: `reset()`, which fastai's RNNTrainer calls every epoch, reaches the wrapped model."""
+
+    def reset(self) -> None:
+        self.module.reset()
+
+
+def _padding(loader):
+    """(pad_idx, pad_first) when `loader` pads text with fastai's pad_collate, else None."""
+    collate = loader.collate_fn
+    if isinstance(collate, partial) and collate.func is pad_collate:
+        return collate.keywords.get("pad_idx", 1), collate.keywords.get("pad_first", True)
+    return None
+
+
+def _csv_loggers_aside(learn: Learner):
+    """Point the learner's CSVLoggers at a scratch folder (rank 0 alone writes the real file); returns the undo.
+
+    Not os.devnull: CSVLogger fsyncs its file, which /dev/null refuses."""
+    loggers = [cb for cb in [*vars(learn).values(), *learn.callbacks] if isinstance(cb, CSVLogger)]
+    paths, scratch = [cb.path for cb in loggers], tempfile.TemporaryDirectory(prefix="ddipp-csv-")
+    for cb in loggers:
+        cb.path = Path(scratch.name) / cb.path.name
+
+    def undo():
+        for cb, path in zip(loggers, paths):
+            cb.path = path
+        scratch.cleanup()
+    return undo
 
 
 def _convert_sync_bn(model: nn.Module):

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from fastai.basic_data import DeviceDataLoader
-from fastai.text.data import SortishSampler
-from torch.utils.data import BatchSampler, Sampler
+from fastai.text.data import LanguageModelPreLoader, SortishSampler
+from torch.utils.data import BatchSampler, Sampler, SequentialSampler
 
 from .compat import sortish_chunks
 
@@ -99,6 +99,14 @@ def unshard(x: Any, sizes: List[int]) -> Any:
     return whole
 
 
+def pad_to_longest(x: torch.Tensor, pad_idx: int, pad_first: bool) -> torch.Tensor:
+    """Token ids `x` (batch × length) padded to the longest of all ranks' parts of the batch, on fastai's side."""
+    longest = torch.tensor(x.shape[1], device=x.device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    pads = x.new_full((x.shape[0], int(longest) - x.shape[1]), pad_idx)
+    return torch.cat([pads, x] if pad_first else [x, pads], dim=1)
+
+
 class GlobalSortishSampler(SortishSampler):
     """fastai's SortishSampler with batches of the global batch size N*b, the one short batch last.
 
@@ -113,6 +121,28 @@ class GlobalSortishSampler(SortishSampler):
         return iter(np.concatenate([first, *full, *short]).astype(np.int64))
 
 
+class ShardedLMStreams(LanguageModelPreLoader):
+    """fastai's language-model streams of `preloader` with one row per item of the global batch (`streams`).
+
+    Sharded by position, rank r trains on rows r, r+N, ...: each its own contiguous stream, the rows of all
+    ranks a partition of the corpus. The documents are shuffled alike on every rank, anew each epoch
+    (`set_epoch`), with the shared `seed`."""
+
+    def __init__(self, preloader: LanguageModelPreLoader, streams: int, seed: int):
+        super().__init__(preloader.dataset, preloader.lengths, streams, preloader.bptt, preloader.backwards,
+                         preloader.shuffle)
+        self.bs, self.seed, self.epoch = streams, seed, 0  # fastai multiplied bs by WORLD_SIZE: undo that
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_epoch_begin(self, **kwargs) -> None:
+        if self.idx is None:
+            self.allocate_buffers()  # so that fastai shuffles the documents in the first epoch too
+        with _global_rngs_seeded(self.seed + self.epoch):
+            super().on_epoch_begin()
+
+
 def _train_sampler(sampler: Sampler, world_size: int) -> Sampler:
     """The order to shard: fastai's SortishSampler buckets over the global batch, so each rank's batch is alike."""
     if isinstance(sampler, SortishSampler):
@@ -121,14 +151,32 @@ def _train_sampler(sampler: Sampler, world_size: int) -> Sampler:
 
 
 def shard_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, seed: int) -> DeviceDataLoader:
-    """A copy of `loader` that yields rank `rank`'s shard of its order, in batches of the same size."""
-    batches = loader.dl.batch_sampler
-    sampler = ShardedSampler(_train_sampler(batches.sampler, world_size), rank, world_size, seed)
-    return loader.new(batch_sampler=BatchSampler(sampler, batches.batch_size, batches.drop_last),
-                      batch_size=1, shuffle=False, sampler=None, drop_last=False)
+    """A copy of `loader` that yields rank `rank`'s shard of its order, in batches of the same size.
+
+    A language-model loader gets streams for the global batch (`ShardedLMStreams`), read in order."""
+    batches, dataset = loader.dl.batch_sampler, loader.dl.dataset
+    sampler = _train_sampler(batches.sampler, world_size)
+    if isinstance(dataset, LanguageModelPreLoader):
+        dataset = ShardedLMStreams(dataset, batches.batch_size * world_size, seed)
+        sampler = SequentialSampler(dataset)
+    sampler = ShardedSampler(sampler, rank, world_size, seed)
+    return _with(loader, dataset, BatchSampler(sampler, batches.batch_size, batches.drop_last))
 
 
 def shard_eval_loader(loader: DeviceDataLoader, rank: int, world_size: int) -> DeviceDataLoader:
-    """A copy of `loader` whose batch k is rank `rank`'s part of the loader's batch k."""
-    batches = ShardedEvalBatchSampler(list(loader.dl.batch_sampler), rank, world_size)
-    return loader.new(batch_sampler=batches, batch_size=1, shuffle=False, sampler=None, drop_last=False)
+    """A copy of `loader` whose batch k is rank `rank`'s part of the loader's batch k.
+
+    A language-model loader's batch k is step k of all its streams, whatever batch size the loader has
+    (fastai builds it with bs·N streams under a launcher): each rank keeps the same rows at every step."""
+    batches, dataset = list(loader.dl.batch_sampler), loader.dl.dataset
+    if isinstance(dataset, LanguageModelPreLoader):
+        streams = dataset.bs
+        batches = [range(k, k + streams) for k in range(0, len(dataset), streams)]
+    return _with(loader, dataset, ShardedEvalBatchSampler(batches, rank, world_size))
+
+
+def _with(loader: DeviceDataLoader, dataset, batch_sampler: Sampler) -> DeviceDataLoader:
+    """A copy of `loader` reading `dataset` in the batches of `batch_sampler`."""
+    kwargs = dict(loader.dl.init_kwargs, batch_sampler=batch_sampler, batch_size=1, shuffle=False, sampler=None,
+                  drop_last=False)
+    return DeviceDataLoader(loader.dl.__class__(dataset, **kwargs), loader.device, loader.tfms, loader.collate_fn)
