@@ -5,10 +5,12 @@ PY      = $(VENV)/bin/python
 
 .PHONY: demo test
 
-# 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU
+# DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
+# script as one plain process, so the two accuracies print one under the other
 demo: $(VENV)/.installed
 	$(PY) -m ddipp.launch $$($(PY) -c "import torch; print('--gpus all' if torch.cuda.is_available() else '--nproc 2')") \
 		examples/scripts/train_digits.py
+	$(PY) examples/scripts/train_digits.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest tests

@@ -7,7 +7,7 @@ import pytest
 from fastai.basic_train import Learner
 
 from ddipp import GCCallback
-from scenario import TOL, close, decisions, digits_data, digits_learner, failed_fit, max_diff, sweep
+from scenario import TOL, between_fits, close, decisions, digits_data, digits_learner, failed_fit, max_diff, sweep
 
 
 @pytest.mark.parametrize("stage", ["params_fit", "params_frozen", "params_unfrozen"])
@@ -41,6 +41,16 @@ def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path
     learn.fit(1, 1e-2)
     expected = learn.recorder.val_losses + learn.recorder.metrics[0][:2]
     assert close(r0["tiny_valid"], expected) and close(r1["tiny_valid"], expected)
+
+
+def test_validation_is_exact_on_101_items_with_accuracy_and_fbeta_after_new_data_and_freeze(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = between_fits(digits_learner(digits_data(tmp_path, bs=32)), bs=32)
+    assert r0["between_fits"]["metrics"] == r1["between_fits"]["metrics"]
+    assert len(r0["between_fits"]["metrics"][-1]) == 3  # accuracy, FBeta, a lambda; 101 items, 2 batches of 64
+    for key in ("losses", "val_losses", "metrics", "lrs"):
+        assert close(r0["between_fits"][key], single[key])
+    assert max_diff(r0["between_fits"]["params"], single["params"]) <= TOL
 
 
 def test_plain_model_and_original_loaders_are_back_after_each_fit(ranks):

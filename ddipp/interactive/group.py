@@ -8,7 +8,9 @@ one, and the notebook's learner keeps the weights it had before the failed fit.
 """
 import atexit
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -72,7 +74,6 @@ class WorkerGroup:
         return bool(self.procs) and all(p.poll() is None for p in self.procs)
 
     def _spawn(self, rank: int) -> None:
-        import socket
         ours, theirs = socket.socketpair()
         cpu = self.devices[0] == "cpu"
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(self.devices)),
@@ -195,10 +196,9 @@ class WorkerGroup:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns, self.data_digest = [], [], None
-        _groups.pop(self.devices, None)
-        for path in self.logs.glob("*"):
-            path.unlink()
-        self.logs.rmdir()
+        if _groups.get(self.devices) is self:
+            del _groups[self.devices]
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) -> BaseException:

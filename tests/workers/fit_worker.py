@@ -9,8 +9,8 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 import ddipp  # noqa: E402
-from scenario import (EpochOrders, decisions, digits_data, digits_learner, exported, failed_fit, story,  # noqa: E402
-                      sweep, tabular_digits_learner)
+from scenario import (EpochOrders, between_fits, decisions, digits_data, digits_learner, exported,  # noqa: E402
+                      failed_fit, story, sweep, tabular_digits_learner)
 
 out = Path(sys.argv[1])
 rank = ddipp.rank()
@@ -28,4 +28,5 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     res["failed_fit"] = failed_fit(digits_learner(digits_data(out / "work", bs=16)).to_ddp())
     res["decisions"] = decisions(digits_learner(digits_data(out / "work", bs=16)).to_ddp())
     res["exported"] = exported(tabular_digits_learner(out / "work").to_ddp())
+    res["between_fits"] = between_fits(digits_learner(digits_data(out / "work", bs=16)).to_ddp(), bs=16)
 torch.save(res, out / f"rank{rank}.pt")
