@@ -10,12 +10,18 @@ if sys.argv[:1] != ["-m"]:
 
     from . import dist
     from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
+    from .checkpoint import Checkpoint
+    from .collectives import all_gather, reduce_sum
     from .dist import barrier, device, is_rank0, rank, world_size
     from .interactive.group import shutdown
     from .learner import from_ddp, to_ddp  # also adds Learner.to_ddp / Learner.from_ddp
+    from .losses import GlobalBatchLoss
+    from .metrics import SumMetric
+    from .throughput import Throughput
 
     if dist.launched():
         dist.bind_device()
 
 __all__ = ["rank", "world_size", "is_rank0", "device", "barrier", "to_ddp", "from_ddp", "shutdown",
-           "DistributedCallback", "LRFinderBypassCallback", "GCCallback"]
+           "DistributedCallback", "LRFinderBypassCallback", "GCCallback",
+           "all_gather", "reduce_sum", "GlobalBatchLoss", "SumMetric", "Checkpoint", "Throughput"]

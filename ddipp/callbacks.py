@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import dist as ddist
 from .sampling import pad_to_longest, shard_eval_loader, shard_train_loader, unshard
+from .syncbn import convert_sync_bn
 
 
 class DistributedCallback(LearnerCallback):
@@ -66,10 +67,7 @@ class DistributedCallback(LearnerCallback):
         device = ddist.device()
         self.undo_sync_bn = lambda: None
         if self.sync_bn:
-            if device.type != "cuda":
-                raise ValueError(f"sync_bn=True needs CUDA devices (torch's SyncBatchNorm has no {device.type} "
-                                 "kernel); use sync_bn=False")
-            self.undo_sync_bn = _convert_sync_bn(model)
+            self.undo_sync_bn = convert_sync_bn(model)
         find_unused = self.find_unused_parameters
         if find_unused is None:  # fastai's RNNs (AWD-LSTM) leave some parameters out of some steps
             find_unused = hasattr(model, "reset")
@@ -153,21 +151,6 @@ def _csv_loggers_aside(learn: Learner):
         for cb, path in zip(loggers, paths):
             cb.path = path
         scratch.cleanup()
-    return undo
-
-
-def _convert_sync_bn(model: nn.Module):
-    """Swap the BatchNorm layers of `model` for SyncBatchNorm layers sharing their parameters and buffers.
-
-    The optimizer keeps the same Parameter objects; returns the function that puts the BatchNorm layers back."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, nn.SyncBatchNorm)]
-    for parent, name, child in swaps:
-        setattr(parent, name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
-
-    def undo():
-        for parent, name, child in swaps:
-            setattr(parent, name, child)
     return undo
 
 

@@ -38,3 +38,16 @@ def reference(tmp_path_factory):
     """The scenario's story in one process with batch 32, the global batch of 2 ranks."""
     from scenario import digits_data, digits_learner, story
     return story(digits_learner(digits_data(tmp_path_factory.mktemp("ref"), bs=32)))
+
+
+@pytest.fixture(scope="session")
+def beyond_ranks(tmp_path_factory):
+    """What tests/workers/beyond_worker.py saw on each of 2 launched ranks, and its folder."""
+    import ddipp
+    out = tmp_path_factory.mktemp("beyond")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DDIPP_TIMEOUT="120", **{ddipp.dist.DEVICES_ENV: "cpu"})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKERS / "beyond_worker.py"), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out

@@ -1,0 +1,46 @@
+"""Checkpoint: resuming a 4-epoch one-cycle fit after epoch 2, on 2 ranks (`beyond_ranks`) and in one process."""
+import pytest
+import torch
+
+from beyond import resume_story
+from ddipp.checkpoint import save_atomic
+from scenario import close, max_diff
+
+TOL = 1e-5
+
+
+def test_resumed_fit_ends_with_the_parameters_of_the_uninterrupted_fit_on_2_ranks(beyond_ranks):
+    (r0, r1), _ = beyond_ranks
+    for rank in (r0, r1):
+        res = rank["resume"]
+        assert res["saved_epoch"] == 2
+        assert max_diff(res["resumed"]["params"], res["full"]["params"]) <= TOL
+        assert close(res["resumed"]["val_losses"], res["full"]["val_losses"][2:])
+        assert close(res["resumed"]["metrics"], res["full"]["metrics"][2:])
+
+
+def test_only_rank0_writes_one_file_per_epoch(beyond_ranks):
+    (r0, r1), out = beyond_ranks
+    assert [p.rsplit("/", 1)[1] for p in r0["replaced"]] == ["full.pth"] * 4 + ["cut.pth"] * 2 + ["cut.pth"] * 2
+    assert r1["replaced"] == []
+    assert not list((out / "work" / "models").glob(".*.tmp"))
+
+
+def test_resume_in_one_process(tmp_path):
+    res = resume_story(tmp_path)
+    assert res["saved_epoch"] == 2
+    assert max_diff(res["resumed"]["params"], res["full"]["params"]) <= TOL
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "models" / "ckpt.pth"
+    save_atomic({"epoch": 1}, path)
+
+    def crash(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_atomic({"epoch": 2}, path)
+    assert torch.load(path) == {"epoch": 1}
+    assert [p.name for p in path.parent.iterdir()] == ["ckpt.pth"]

@@ -1,0 +1,34 @@
+"""Throughput: samples, distinct samples and samples/s per epoch, on 2 ranks (`beyond_ranks`) and in one process."""
+from beyond import throughput_fit
+from scenario import digits_data, digits_learner, max_diff
+
+TRAINED = (1797 - 359) // 32 * 32  # digits' training set in full batches of 32: 1408 items
+
+
+def test_two_ranks_process_each_training_item_once_per_epoch(beyond_ranks):
+    (r0, r1), _ = beyond_ranks
+    t0, t1 = r0["throughput"], r1["throughput"]
+    assert t0["names"][-3:] == ["samples", "distinct", "samples/s"]
+    assert t0["metrics"] == t1["metrics"]  # identical recorder on every rank
+    for epoch in t0["metrics"]:
+        samples, distinct, rate = epoch[-3:]
+        assert samples == distinct == TRAINED and rate > 0
+
+
+def test_the_results_table_shows_it_and_the_comparison_is_one_line_on_rank0(beyond_ranks):
+    _, out = beyond_ranks
+    rank0, rank1 = ((out / f"stdout{r}.txt").read_text() for r in range(2))
+    assert "samples   distinct  samples/s" in rank0 and f" {TRAINED}      {TRAINED} " in rank0
+    lines = [line for line in rank0.splitlines() if "ddipp throughput: 2 ranks" in line]
+    assert len(lines) == 1 and "1 process" in lines[0] and "(over 4 batches)" in lines[0]
+    assert "ddipp throughput" not in rank1
+
+
+def test_the_comparison_leaves_weights_and_order_as_they_were(beyond_ranks):
+    (r0, _), _ = beyond_ranks
+    assert max_diff(r0["throughput"]["params"], r0["no_throughput"]) == 0
+
+
+def test_one_process(tmp_path):
+    res = throughput_fit(digits_learner(digits_data(tmp_path, bs=32, shuffle=True)))
+    assert [epoch[-3:-1] for epoch in res["metrics"]] == [[TRAINED, TRAINED]] * 2
