@@ -2,11 +2,15 @@
 
 It prints WORKERS <pids>, then fits until SIGINT (printing INTERRUPTED <weights kept?>), fits once more on a
 restarted group (REFIT <epochs recorded> <pids>), then fits again until the test kills it with SIGKILL."""
+import signal
 import sys
 
 import torch
 
 torch.set_num_threads(1)
+# Ctrl-C / the kernel's interrupt raises KeyboardInterrupt, as in a Jupyter kernel, even when this process was
+# started with SIGINT ignored (Python then keeps it ignored: a CI job run in the background does that)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import ddipp  # noqa: E402
 from ddipp.interactive.group import _groups  # noqa: E402
