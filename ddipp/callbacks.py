@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 import fastprogress.fastprogress
+import numpy as np
 import torch
 import torch.distributed as dist
 from fastai.basic_train import Learner, LearnerCallback
@@ -41,7 +42,7 @@ class DistributedCallback(LearnerCallback):
         self.distributed = False
         self.unmute = lambda: None
 
-    def on_train_begin(self, pbar, **kwargs) -> None:
+    def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
         if pbar is None or not ddist.init():  # Learner.validate() (no bar, no on_train_end), or not launched
             return
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -55,6 +56,7 @@ class DistributedCallback(LearnerCallback):
         self.train_dl, self.valid_dl = data.train_dl, data.valid_dl
         data.train_dl = shard_train_loader(self.train_dl, self.rank, self.world_size, _broadcast_seed())
         self.train_sampler = data.train_dl.dl.batch_sampler.sampler
+        self.unscale = _rescale_schedule(self.learn, len(self.train_dl) * n_epochs, len(data.train_dl) * n_epochs)
         self.lm_streams = getattr(data.train_dl.dl.dataset, "set_epoch", None)  # language-model streams
         self.padding = _padding(self.train_dl)
         self.eval_batches = None
@@ -81,6 +83,7 @@ class DistributedCallback(LearnerCallback):
             return
         self.learn.model, self.learn.data.train_dl, self.learn.data.valid_dl = self.model, self.train_dl, self.valid_dl
         self.undo_sync_bn()
+        self.unscale()
         self.distributed = False
 
     def on_epoch_begin(self, epoch: int, **kwargs) -> None:
@@ -128,6 +131,28 @@ class ResettableDDP(DistributedDataParallel):
 
     def reset(self) -> None:
         self.module.reset()
+
+
+def _rescale_schedule(learn: Learner, unsharded: int, sharded: int):
+    """Fit the phases of a GeneralScheduler planned for `unsharded` steps to `sharded` steps; returns the undo.
+
+    fastai's FlatCosAnnealScheduler (fit_fc) reads len(train_dl) when it is built, before the fit shards the
+    loader: under DDP it plans N times the steps a rank takes, so the lr never leaves its flat phase. Phase ends
+    are scaled and rounded down (as fastai rounds them); a schedule of any other total is left alone."""
+    sched = getattr(learn, "general_scheduler", None)
+    if sched is None or unsharded == sharded or sum(p.length for p in sched.phases) != unsharded:
+        return lambda: None
+    lengths = [p.length for p in sched.phases]
+    ends = [end * sharded // unsharded for end in np.cumsum(lengths)]
+    _set_lengths(sched.phases, np.diff(ends, prepend=0))
+    return lambda: _set_lengths(sched.phases, lengths)
+
+
+def _set_lengths(phases, lengths) -> None:
+    for phase, length in zip(phases, lengths):
+        phase.length = int(length)
+        for scheduler in phase.scheds.values():
+            scheduler.n_iter = max(1, int(length))  # as fastai's Scheduler clamps it
 
 
 def _padding(loader):

@@ -8,6 +8,7 @@ from fastai.basic_train import Learner
 from . import dist
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
 from .launch import check_gpus
+from .sampling import lm_eval_loader
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
@@ -33,9 +34,17 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     if not dist.is_rank0():
         hide_progress_bars()  # also for validate() and get_preds() outside a fit
     from_ddp(learn)
+    _lm_eval_loaders(learn.data)
     learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
                            partial(LRFinderBypassCallback, mode=lr_find_mode), GCCallback]
     return learn
+
+
+def _lm_eval_loaders(data) -> None:
+    """Language-model validation and test loaders step through all their streams at once, as in one process."""
+    for name in ("valid_dl", "test_dl"):
+        if getattr(data, name, None) is not None:
+            setattr(data, name, lm_eval_loader(getattr(data, name)))
 
 
 def from_ddp(learn: Learner) -> Learner:

@@ -166,13 +166,23 @@ def shard_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, see
 def shard_eval_loader(loader: DeviceDataLoader, rank: int, world_size: int) -> DeviceDataLoader:
     """A copy of `loader` whose batch k is rank `rank`'s part of the loader's batch k.
 
-    A language-model loader's batch k is step k of all its streams, whatever batch size the loader has
-    (fastai builds it with bs·N streams under a launcher): each rank keeps the same rows at every step."""
-    batches, dataset = list(loader.dl.batch_sampler), loader.dl.dataset
-    if isinstance(dataset, LanguageModelPreLoader):
-        streams = dataset.bs
-        batches = [range(k, k + streams) for k in range(0, len(dataset), streams)]
-    return _with(loader, dataset, ShardedEvalBatchSampler(batches, rank, world_size))
+    A language-model loader's batch k is step k of all its streams (`lm_eval_loader`), whatever batch size the
+    loader has: each rank keeps the same rows at every step."""
+    loader = lm_eval_loader(loader)
+    batches = ShardedEvalBatchSampler(list(loader.dl.batch_sampler), rank, world_size)
+    return _with(loader, loader.dl.dataset, batches)
+
+
+def lm_eval_loader(loader: DeviceDataLoader) -> DeviceDataLoader:
+    """`loader`, or for a language model's loader whose batches are smaller than its streams, a copy whose batch k
+    is step k of all the streams: the single-process loader with the global batch.
+
+    fastai builds a launched process's preloader with bs·N streams but its loader with batches of bs, so a rank's
+    rows would hop between streams from batch to batch (validate() and get_preds() outside a fit)."""
+    dataset = loader.dl.dataset
+    if not isinstance(dataset, LanguageModelPreLoader) or loader.dl.batch_sampler.batch_size == dataset.bs:
+        return loader
+    return _with(loader, dataset, BatchSampler(SequentialSampler(dataset), dataset.bs, drop_last=False))
 
 
 def _with(loader: DeviceDataLoader, dataset, batch_sampler: Sampler) -> DeviceDataLoader:

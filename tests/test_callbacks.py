@@ -5,8 +5,10 @@ per-rank batch 16; the `reference` plays it here in one process with batch 32 (t
 """
 import pytest
 from fastai.basic_train import Learner
+from fastai.callbacks.flat_cos_anneal import FlatCosAnnealScheduler
 
 from ddipp import GCCallback
+from ddipp.callbacks import _rescale_schedule
 from scenario import TOL, between_fits, close, decisions, digits_data, digits_learner, failed_fit, max_diff, sweep
 
 
@@ -125,3 +127,20 @@ def test_gc_callback_collects_at_the_end_of_each_fit(tmp_path, capsys):
     learn.fit(1, 1e-2)
     assert capsys.readouterr().out.count("GCCallback (rank 0): collected") == 2
     assert isinstance(learn, Learner)
+
+
+def _phases(sched):
+    return [(p.length, *(s.n_iter for s in p.scheds.values())) for p in sched.phases]
+
+
+def test_a_schedule_planned_for_the_unsharded_loader_is_the_one_fastai_plans_for_the_sharded_one(tmp_path):
+    sharded = _phases(FlatCosAnnealScheduler(digits_learner(digits_data(tmp_path, bs=32)), tot_epochs=2))
+    learn = digits_learner(digits_data(tmp_path, bs=16))  # 89 steps an epoch over the whole set
+    sched = FlatCosAnnealScheduler(learn, tot_epochs=2)
+    planned = _phases(sched)
+    undo = _rescale_schedule(learn, 2 * 89, 2 * 44)  # each of 2 ranks takes 44 steps an epoch
+    assert _phases(sched) == sharded == [(63, 63, 63), (25, 25, 25)]
+    undo()
+    assert _phases(sched) == planned == [(128, 128, 128), (50, 50, 50)]
+    _rescale_schedule(learn, 3 * 89, 3 * 44)  # planned for another fit: left alone
+    assert _phases(sched) == planned

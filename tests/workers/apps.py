@@ -75,6 +75,7 @@ def clas_data(path, bs: int, vocab):
 
 class ResetBeforeValidation(LearnerCallback):
     """Starts validation from a zero hidden state, so its numbers can be recomputed from the weights alone."""
+    started = False  # get_preds() calls no on_epoch_begin
 
     def on_epoch_begin(self, **kwargs):
         self.started = False
@@ -117,8 +118,19 @@ def language_model(path, bs: int) -> dict:
         learn.save_encoder("lm_enc")
     ddipp.barrier()
     log = learn.lm_stream_log
-    return dict(final=_final(learn), history=history(learn), seconds=seconds, orders=log.orders, inputs=log.inputs,
-                weights=_saved(learn, "lm"))
+    res = dict(final=_final(learn), history=history(learn), seconds=seconds, orders=log.orders, inputs=log.inputs,
+               weights=_saved(learn, "lm"))
+    # outside a fit, after reading the recorder (get_preds() replaces it); validate() first: fastai's get_preds()
+    # leaves the validation streams where it stopped (validate() rewinds them at its epoch's end)
+    return dict(res, validated=[float(v) for v in learn.validate()], predicted=lm_predictions(learn))
+
+
+def lm_predictions(learn) -> list:
+    """Accuracy and mean cross-entropy of `learn.get_preds()` on the validation set, from a zero hidden state."""
+    learn.model.reset()
+    probs, targets = learn.get_preds()
+    picked = probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return [float((probs.argmax(-1) == targets).float().mean()), float(-picked.log().mean())]
 
 
 class PaddingLog(LearnerCallback):
