@@ -50,6 +50,26 @@ def _weakref_to(obj: Any) -> weakref.ref:
     return weakref.ref(obj) if obj is not None else weakref.ref(_Gone())  # a dead ref stays dead
 
 
+def _delegated_attributes(obj: Any):
+    """The attributes of an instance (not a class) of a plain class (no metaclass: no enum) that forwards unknown
+    attributes (`__getattr__`) and has no pickling of its own, else None. Pickle looks `__setstate__` up on the
+    half-built object, whose `__getattr__` then reads an attribute not set yet and recurses for ever: fastai's
+    `LanguageModelPreLoader` (so any text LM data) does that."""
+    cls = type(obj)
+    if not (not isinstance(obj, type) and type(cls) is type and hasattr(cls, "__getattr__") and not hasattr(cls, "__setstate__")
+            and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
+            and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)):
+        return None
+    try:
+        return dict(object.__getattribute__(obj, "__dict__"))  # never through its __getattr__
+    except AttributeError:
+        return None
+
+
+def _set_attributes(obj: Any, state: dict) -> None:
+    object.__getattribute__(obj, "__dict__").update(state)
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle with references for shared objects, CUDA tensors through the CPU, and picklable weakrefs."""
 
@@ -74,6 +94,9 @@ class _Pickler(cloudpickle.Pickler):
             return _weakref_to, (obj(),)
         if obj is self.learner:
             return copyreg.__newobj__, (type(obj),), travelling_state(obj)
+        state = _delegated_attributes(obj)
+        if state is not None:  # set by _set_attributes: pickle then never asks the object for __setstate__
+            return copyreg.__newobj__, (type(obj),), state, None, None, _set_attributes
         return super().reducer_override(obj)
 
 

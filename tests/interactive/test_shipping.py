@@ -56,3 +56,25 @@ def test_cuda_tensors_and_parameters_land_on_the_receivers_device():
     back = loads(dumps(dict(layer=layer, buf=torch.ones(2, device="cuda"))), device=torch.device("cpu"))
     assert back["layer"].weight.device.type == "cpu" and isinstance(back["layer"].weight, nn.Parameter)
     assert back["buf"].device.type == "cpu" and torch.equal(back["layer"].weight, layer.weight.cpu())
+
+
+class Forwarding:
+    """Forwards unknown attributes to its dataset, as fastai's LanguageModelPreLoader does."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __getattr__(self, k):
+        return getattr(self.dataset, k)
+
+
+def test_an_object_forwarding_its_attributes_travels():
+    # plain pickle recurses for ever here: it asks the half-built object for __setstate__
+    back = loads(dumps(Forwarding([3, 1, 2])))
+    assert type(back) is Forwarding and back.dataset == [3, 1, 2] and back.count(3) == 1
+
+
+def test_classes_with_a_metaclass_forwarding_attributes_travel_as_classes():
+    import enum
+    from fastai.basic_data import DatasetType  # EnumMeta has a __getattr__ on Python 3.11
+    assert loads(dumps([DatasetType, DatasetType.Valid, enum.Enum])) == [DatasetType, DatasetType.Valid, enum.Enum]
