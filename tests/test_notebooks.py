@@ -1,8 +1,9 @@
 """The example notebooks, run top to bottom in a real Jupyter kernel (nbclient + ipykernel) on CPU.
 
-Each must run without error, draw fastprogress's HTML bars and results table in its cells, reach its stated
-accuracy, and leave the notebook's learner with the weights rank 0 trained: the notebook saves its learner
-right after a fit whose SaveModelCallback made rank 0 write (and every rank reload) the best epoch."""
+Each must run without error, draw fastprogress's HTML bars and results table in its cells, print the validation
+metric of its final model within a stated bound, and leave the notebook's learner with the weights rank 0 trained:
+the notebook saves its learner right after a fit whose SaveModelCallback made rank 0 write (and every rank reload)
+the best epoch."""
 import os
 import re
 
@@ -16,9 +17,14 @@ import ddipp  # noqa: F401  (fastai's saved files hold numpy scalars, which ddip
 from conftest import ROOT
 
 NOTEBOOKS = ROOT / "examples" / "notebooks"
-# notebook: (accuracy it must print, at least; the file saved in the notebook; the file rank 0 saved)
-EXPECTED = {"vision_digits.ipynb": (0.85, "stage-2", "best"),
-            "to_ddp_after_local.ipynb": (0.93, "after-ddp", "best")}
+# notebook: (the metric it prints as "validation <metric> <value>"; the bound (one process reaches, on CPU:
+# tabular 0.933, collab 0.135, text 0.985); the file saved in the notebook; the file rank 0 saved)
+EXPECTED = {"vision_digits.ipynb": ("accuracy", 0.85, "stage-2", "best"),
+            "to_ddp_after_local.ipynb": ("accuracy", 0.93, "after-ddp", "best"),
+            "tabular.ipynb": ("accuracy", 0.90, "tabular", "best"),
+            "collab.ipynb": ("mse", 0.18, "collab", "best"),
+            "text.ipynb": ("accuracy", 0.93, "clas", "best")}
+AT_MOST = {"mse"}  # bounds from above; the others are bounds from below
 
 
 class RecordingClient(NotebookClient):
@@ -39,7 +45,7 @@ def test_every_notebook_is_tested():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_notebook_runs_and_brings_rank0s_training_back(name, tmp_path, monkeypatch):
-    bound, saved_here, saved_by_rank0 = EXPECTED[name]
+    metric, bound, saved_here, saved_by_rank0 = EXPECTED[name]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = RecordingClient(notebook, timeout=600, kernel_name="python3",
@@ -50,7 +56,7 @@ def test_notebook_runs_and_brings_rank0s_training_back(name, tmp_path, monkeypat
     html = "".join(out.get("data", {}).get("text/html", "") for out in outputs)
     assert html.count("<th>train_loss</th>") >= 2  # the results tables, kept in the notebook
     text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
-    accuracy = float(re.search(r"validation accuracy (\d\.\d+)", text).group(1))
-    assert accuracy >= bound, text
+    value = float(re.search(rf"validation {metric} (\d+\.\d+)", text).group(1))
+    assert (value <= bound if metric in AT_MOST else value >= bound), text
     here, rank0 = (torch.load(next(tmp_path.rglob(f"{n}.pth")))["model"] for n in (saved_here, saved_by_rank0))
     assert here.keys() == rank0.keys() and all(torch.equal(here[k], rank0[k]) for k in here)
