@@ -56,7 +56,8 @@ def _delegated_attributes(obj: Any):
     half-built object, whose `__getattr__` then reads an attribute not set yet and recurses for ever: fastai's
     `LanguageModelPreLoader` (so any text LM data) does that."""
     cls = type(obj)
-    if not (not isinstance(obj, type) and type(cls) is type and hasattr(cls, "__getattr__") and not hasattr(cls, "__setstate__")
+    if not (not isinstance(obj, type) and type(cls) is type
+            and hasattr(cls, "__getattr__") and not hasattr(cls, "__setstate__")
             and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
             and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)):
         return None
