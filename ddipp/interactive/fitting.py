@@ -4,8 +4,10 @@ The notebook's learner travels with everything but its data (which the workers a
 with ddipp's callbacks as in a launched script; rank 0 sends back what a local fit would have changed on the
 learner: weights, optimizer state, and the callbacks it attached (the recorder among them).
 """
+import random
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from fastai.basic_data import DataBunch, DeviceDataLoader
 from fastai.basic_train import Learner
@@ -16,8 +18,12 @@ from .shipping import data_objects, dumps, learner_objects, loads, move_optimize
 
 
 def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
-    """The notebook's half: `learn.fit(epochs, lr, wd, callbacks)` as bytes, the learner's data as a reference."""
-    return dumps(dict(learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks),
+    """The notebook's half: `learn.fit(epochs, lr, wd, callbacks)` as bytes, the learner's data as a reference.
+
+    It carries a seed drawn from the notebook's torch generator: a notebook that seeds torch gets the same
+    shuffles, dropout and augmentations on the workers run after run, as a local fit would."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    return dumps(dict(learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks, seed=seed),
                  objects=data_objects(learn.data), learner=learn)
 
 
@@ -34,6 +40,7 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
             send: Optional[Callable[[tuple], None]]) -> Optional[bytes]:
     """A worker's half: run the call under DDP; on rank 0 (the one given `send`) relay progress, return results."""
     request = loads(call, data_objects(data), device)
+    _seed(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
     learn.model.to(device)
     move_optimizer_state(learn)
@@ -45,6 +52,12 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
         return None
     return dumps(dict(state=learn.model.state_dict(), opt=learn.opt, callbacks=learn.callbacks,
                       attrs=_attached_callbacks(learn)), objects=learner_objects(learn))
+
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
 
 
 def _attached_callbacks(learn: Learner) -> dict:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddipp.interactive.group import _groups
-from scenario import TOL, between_fits, close, digits_data, digits_learner, max_diff, story
+from scenario import TOL, between_fits, close, digits_data, digits_learner, max_diff, params, story
 
 CPU2 = ("cpu", "cpu")
 
@@ -55,6 +55,15 @@ def test_changes_made_between_fits_are_honoured(tmp_path):
                  {k: v for k, v in single.items() if k not in ("params", "opt_state")})
     assert max_diff(group_fits["params"], single["params"]) <= TOL
     assert max_diff(group_fits["opt_state"], single["opt_state"]) <= TOL  # Adam's moments came back too
+
+
+def test_a_notebook_that_seeds_torch_gets_the_same_numbers_run_after_run(tmp_path):
+    def seeded_run():
+        learn = digits_learner(digits_data(tmp_path, bs=16, shuffle=True)).to_ddp(nprocs=2)
+        torch.manual_seed(7)
+        learn.fit(1, 1e-2)
+        return params(learn)
+    assert max_diff(seeded_run(), seeded_run()) == 0
 
 
 def test_unchanged_data_is_sent_once(tmp_path):
