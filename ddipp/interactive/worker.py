@@ -2,8 +2,8 @@
 
 It joins the process group once (paying the torch/fastai import once), then serves commands on the socket
 it inherited: "set_context" (the notebook's directory and sys.path), "keep_data" (a data bunch to keep),
-"fit" (a learner and a fit call: run it under DDP, send back rank 0's results), "stop". Rank 0 relays its progress bars and prints while it fits. It exits when the
-notebook's process dies.
+"fit" (a learner and a fit call: run it under DDP, send back rank 0's results), "stop". Rank 0 relays its
+progress bars and prints while it fits. It exits when the notebook's process dies.
 """
 import os
 import sys
