@@ -40,10 +40,13 @@ def ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, digits_path):
-    """The same runs in this process with the global batch."""
+    """The same runs in this process with the global batch, numpy seeded for each (fastai shuffles text with
+    numpy's global generator: unseeded, this classifier's accuracy ranges 0.955-0.995 from run to run)."""
     out = tmp_path_factory.mktemp("apps_single")
-    res = {name: run(digits_path if name == "vision" else out / apps.FOLDERS.get(name, name), apps.GLOBAL_BS[name])
-           for name, run in apps.RUNS.items()}
+    res = {}
+    for name, run in apps.RUNS.items():
+        np.random.seed(0)
+        res[name] = run(digits_path if name == "vision" else out / apps.FOLDERS.get(name, name), apps.GLOBAL_BS[name])
     (out / "single.json").write_text(json.dumps(res))  # beside the ranks' results, for timings and reports
     return res
 

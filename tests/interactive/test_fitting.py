@@ -104,3 +104,15 @@ def test_rank0_prints_and_the_results_table_show_here_like_a_local_fit(tmp_path,
         return re.findall(r"(\d+) +\d+\.\d{6} +\d+\.\d{6} +\d\.\d{6} +\d\.\d{6} +\d\.\d{6} +\d\d:\d\d", out)
     assert epochs(remote_out) == epochs(local_out) == ["0", "1"]
     assert "Epoch 2/2" in remote_out and "[44/44" in remote_out  # the console bars, with rank 0's batches
+
+
+def test_a_language_model_trains_in_notebook_mode_as_one_process_does(tmp_path):
+    import apps  # the text task of tests/test_apps.py (tests/workers)
+
+    def trained(learn):
+        learn.callback_fns.append(apps.ResetBeforeValidation)
+        learn.fit_one_cycle(4, 2e-2)
+        return float(learn.recorder.metrics[-1][0])
+    notebook = trained(apps.lm_learner(tmp_path / "nb", bs=16).to_ddp(nprocs=2))  # 2 ranks × 16 streams
+    one = trained(apps.lm_learner(tmp_path / "one", bs=32))
+    assert abs(notebook - one) <= 0.03 and notebook >= 0.70, (notebook, one)  # tests/test_apps.py's bar for LM
