@@ -34,14 +34,13 @@ from pathlib import Path
 PROG = "python -m ddipp.launch"
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 TAIL_LINES = 40  # lines of a failed rank's log shown on the terminal
-NO_GPU_HINT = "this host has no GPU; use --nproc N to run N CPU processes"
 
 
 def parse_gpus(spec: str, device_count: int) -> list[int]:
     """The GPU indices ``--gpus`` lists, in order ("all": every GPU); ValueError naming the problem if bad."""
     if spec == "all":
         if device_count == 0:
-            raise ValueError(NO_GPU_HINT)
+            raise ValueError(_no_gpu("--nproc N"))
         return list(range(device_count))
     gpus = []
     for item in spec.split(","):
@@ -60,10 +59,14 @@ def check_gpus(gpus: list[int], device_count: int, example: str, cpu_example: st
             raise ValueError(f"GPU {gpu} listed twice; give each GPU once, e.g. {example}")
     for gpu in gpus:
         if device_count == 0:
-            raise ValueError(f"this host has no GPU; use {cpu_example} to run N CPU processes")
+            raise ValueError(_no_gpu(cpu_example))
         if gpu >= device_count:
             raise ValueError(f"GPU {gpu} does not exist; this host has {device_count} GPU"
                              f"{'s' if device_count > 1 else ''} (0-{device_count - 1})")
+
+
+def _no_gpu(cpu_example: str) -> str:
+    return f"this host has no GPU; use {cpu_example} to run N CPU processes"
 
 
 class _Parser(argparse.ArgumentParser):

@@ -4,9 +4,7 @@ import torch
 
 from beyond import resume_story
 from ddipp.checkpoint import save_atomic
-from scenario import close, max_diff
-
-TOL = 1e-5
+from scenario import TOL, close, max_diff
 
 
 def test_resumed_fit_ends_with_the_parameters_of_the_uninterrupted_fit_on_2_ranks(beyond_ranks):

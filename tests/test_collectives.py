@@ -4,9 +4,7 @@ import torch
 
 import ddipp
 from beyond import embedding_net, features, losses_and_grads, mean_cov, moment_sums, pair_batch
-from scenario import max_diff
-
-TOL = 1e-5
+from scenario import TOL, max_diff
 
 
 @pytest.fixture(scope="module")

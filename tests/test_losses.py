@@ -2,9 +2,7 @@
 import pytest
 
 from beyond import collapsed_loss, pairs_data, pairs_fit, pairs_learner
-from scenario import close, max_diff
-
-TOL = 1e-5
+from scenario import TOL, close, max_diff
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,7 @@ import torch
 from fastai.basic_data import DatasetType
 
 from beyond import OutputMoments, moments_fit
-from scenario import digits_data, digits_learner, max_diff
-
-TOL = 1e-5
+from scenario import TOL, digits_data, digits_learner, max_diff
 
 
 def test_mean_and_covariance_of_the_outputs_equal_one_process_on_359_items(beyond_ranks, tmp_path):

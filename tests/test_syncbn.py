@@ -5,9 +5,7 @@ from torch import nn
 
 from beyond import bn_fit, bn_learner
 from ddipp.syncbn import CPUSyncBatchNorm, convert_sync_bn
-from scenario import close, digits_data, max_diff
-
-TOL = 1e-5
+from scenario import TOL, close, digits_data, max_diff
 
 
 @pytest.fixture(scope="module")

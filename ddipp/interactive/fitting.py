@@ -9,12 +9,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from fastai.basic_data import DataBunch, DeviceDataLoader
+from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner
 from fastai.callback import Callback
 
 from .progress import ProgressRelay, relayed_output
-from .shipping import data_objects, dumps, learner_objects, loads, move_optimizer_state
+from .shipping import data_objects, dumps, learner_objects, loaders, loads, move_optimizer_state
 
 
 def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
@@ -30,9 +30,8 @@ def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> 
 def place_data(data: DataBunch, device: torch.device) -> DataBunch:
     """Make `data` deliver its batches on `device` (the notebook's may be another GPU, or none)."""
     data.device = device
-    for dl in vars(data).values():
-        if isinstance(dl, DeviceDataLoader):
-            dl.device = device
+    for dl in loaders(data).values():
+        dl.device = device
     return data
 
 

@@ -118,12 +118,13 @@ class WorkerGroup:
         if data_digest == self.data_digest:
             return 0
         self.data_digest = None
+        sizes = [buf.raw().nbytes for buf in buffers]
         for conn in self.conns:
-            conn.send(("keep_data", data_digest, blob, [buf.raw().nbytes for buf in buffers]))
+            conn.send(("keep_data", data_digest, blob, sizes))
             for buf in buffers:
                 conn.send_bytes(buf.raw())
         self.data_digest = data_digest
-        return (len(blob) + sum(buf.raw().nbytes for buf in buffers)) * len(self.conns)
+        return (len(blob) + sum(sizes)) * len(self.conns)
 
     def _collect(self, expected: str, on_event=None, deadline: Optional[float] = None) -> Dict[int, Any]:
         """Serve the workers' messages until every rank sent `expected`; raise for the first rank that fails."""

@@ -145,10 +145,14 @@ def travelling_state(learn: Learner) -> dict:
     return {k: v for k, v in vars(learn).items() if k not in BINDING_ATTRS}
 
 
+def loaders(data: DataBunch) -> Dict[str, DeviceDataLoader]:
+    """The data bunch's loaders by attribute name (train_dl, valid_dl, fix_dl, test_dl, ...)."""
+    return {name: dl for name, dl in vars(data).items() if isinstance(dl, DeviceDataLoader)}
+
+
 def data_objects(data: DataBunch) -> Dict[Hashable, Any]:
     """The data bunch and its loaders, by the names both sides use for them."""
-    objects = {("dl", name): dl for name, dl in vars(data).items() if isinstance(dl, DeviceDataLoader)}
-    return {"data": data, **objects}
+    return {"data": data, **{("dl", name): dl for name, dl in loaders(data).items()}}
 
 
 def learner_objects(learn: Learner) -> Dict[Hashable, Any]:
