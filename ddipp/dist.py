@@ -5,6 +5,8 @@ this process, so the same script runs with and without DDP.
 """
 import atexit
 import os
+import socket
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
 TIMEOUT_ENV = "DDIPP_TIMEOUT"  # seconds a collective may wait for the other ranks (torch's default if unset)
+GLOO_IFNAME_ENV, NCCL_IFNAME_ENV = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"  # the interface their sockets use
 
 
 def launched() -> bool:
@@ -37,6 +40,25 @@ def world_size() -> int:
 def is_rank0() -> bool:
     """True on the process that draws progress and writes files."""
     return rank() == 0
+
+
+def loopback_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables to add to a one-host group's environment so that gloo and NCCL listen on loopback only (the user's
+    own settings win); without them gloo listens on the address the host name resolves to, reachable by others."""
+    unset = [name for name in (GLOO_IFNAME_ENV, NCCL_IFNAME_ENV) if not environ.get(name)]
+    lo = _loopback_interface() if unset else ""
+    values = {GLOO_IFNAME_ENV: lo, NCCL_IFNAME_ENV: f"={lo}"}  # "=": NCCL takes the exact name, not a prefix
+    return {name: values[name] for name in unset}
+
+
+def _loopback_interface() -> str:
+    """The name of this host's loopback interface: "lo" (Linux) or "lo0" (macOS)."""
+    names = sorted(name for _, name in socket.if_nameindex())
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise RuntimeError(f"no loopback interface (lo, lo0) among this host's interfaces {names}; "
+                       f"set {GLOO_IFNAME_ENV} and {NCCL_IFNAME_ENV} to the name of yours")
 
 
 def device() -> torch.device:

@@ -9,7 +9,10 @@ Usage::
     # N CPU processes with the gloo backend (try DDP on a laptop, or test without GPUs)
     python -m ddipp.launch --nproc 2 train.py
 
-    # two hosts: run once on each; --master-addr is where node rank 0 runs
+    # a collective that waits more than 120 s for the other ranks fails (default: 600, as to_ddp's)
+    python -m ddipp.launch --timeout 120 --gpus all train.py
+
+    # two hosts on a trusted network: run once on each; --master-addr is where node rank 0 runs
     python -m ddipp.launch --nnodes 2 --node-rank 0 --master-addr node0 --gpus all train.py
     python -m ddipp.launch --nnodes 2 --node-rank 1 --master-addr node0 --gpus all train.py
 
@@ -18,21 +21,37 @@ Usage::
 
 Everything after the script is passed to it untouched. Workers get torch elastic's environment
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), ddipp's device list in ``DDIPP_DEVICES`` ("3,1" or
-"cpu"), and ``OMP_NUM_THREADS=1`` unless it is set. On one host the rendezvous listens on 127.0.0.1 at a
-port the OS picks, so launches running at once never collide.
+"cpu"), ``--timeout`` in ``DDIPP_TIMEOUT``, and ``OMP_NUM_THREADS=1`` unless it is set.
+
+On one host nothing listens beyond loopback: the rendezvous is torch's static one (no pickles), on a store
+served from a socket ddipp binds to 127.0.0.1 at a port the OS picks (or ``--master-port``), so launches
+running at once never collide; gloo and NCCL are kept on the loopback interface (``GLOO_SOCKET_IFNAME``,
+``NCCL_SOCKET_IFNAME``, unless set). With ``--nnodes`` > 1, node rank 0's store listens at
+``--master-port`` (default 29500) on every interface, and the ranks' gloo/NCCL sockets on the address
+their host name resolves to: whoever reaches those ports can read and write the keys the ranks exchange
+and join the collectives, without authentication, so run such jobs only on a trusted network.
 
 Only rank 0 prints to the terminal; the other ranks write to per-rank log files whose paths are printed
 when the group starts. When a rank fails, the launcher shows the end of its log (its traceback), stops
-the other ranks and exits with status 1.
+the other ranks and exits with status 1, keeping the logs; when every rank exits 0 the logs are removed.
 """
 import argparse
 import os
+import shutil
+import socket
 import sys
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 PROG = "python -m ddipp.launch"
+LOOPBACK = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torchrun's
+DEFAULT_TIMEOUT = 600  # seconds, as to_ddp(timeout=600)
+LOOPBACK_RENDEZVOUS = "ddipp-loopback"  # the elastic rendezvous backend of a one-host launch
 TAIL_LINES = 40  # lines of a failed rank's log shown on the terminal
 
 
@@ -69,11 +88,21 @@ def _no_gpu(cpu_example: str) -> str:
     return f"this host has no GPU; use {cpu_example} to run N CPU processes"
 
 
+class BadInput(ValueError):
+    """A command line the launcher refuses; the message names the value and the fix."""
+
+
+def _refuse(message: str) -> NoReturn:
+    """Exit 2 with a one-line error, before any worker starts."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, without the usage text."""
 
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message: str) -> NoReturn:
+        _refuse(message)
 
 
 def _count(minimum: int):
@@ -85,65 +114,187 @@ def _count(minimum: int):
     return parse
 
 
-def _parser() -> _Parser:
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0 that a timedelta holds (not inf or nan)."""
+    try:
+        seconds = float(text)
+        timedelta(seconds=seconds)
+    except (ValueError, OverflowError):
+        seconds = 0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0, e.g. --timeout {DEFAULT_TIMEOUT}")
+    return seconds
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (sys.argv's by default) as parsed arguments; exits 2 with one line if they do not parse."""
     parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     devices = parser.add_mutually_exclusive_group()
     devices.add_argument("--gpus", help="GPUs to run on, one process each, e.g. 3,1 or all (default: all)")
     devices.add_argument("--nproc", type=_count(1), help="run N CPU processes (gloo backend) instead")
+    parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT,
+                        help=f"seconds a collective may wait for the other ranks (default: {DEFAULT_TIMEOUT})")
     parser.add_argument("--nnodes", type=_count(1), default=1, help="number of hosts (default: 1)")
     parser.add_argument("--node-rank", type=_count(0), default=0, help="this host's rank, 0..nnodes-1")
-    parser.add_argument("--master-addr", help="address of the node-rank-0 host (needed with --nnodes > 1)")
-    parser.add_argument("--master-port", type=_count(1), help=f"its port (default: {DEFAULT_MASTER_PORT})")
+    parser.add_argument("--master-addr", help="address of the node-rank-0 host (only with --nnodes > 1)")
+    parser.add_argument("--master-port", type=_count(1),
+                        help=f"its store's port (default: {DEFAULT_MASTER_PORT}; on one host a free port)")
     parser.add_argument("--max-restarts", type=_count(0), default=0,
                         help="restart the group up to this many times when a rank fails (default: 0)")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="passed to the script untouched")
-    return parser
+    return parser.parse_args(argv)
 
 
-def _check(parser: _Parser, args: argparse.Namespace) -> None:
+@dataclass
+class Config:
+    """A launch as data: what runs on this host, where node rank 0's store listens, what ddipp adds to the workers'
+    environment."""
+
+    script: str
+    script_args: list[str]
+    nproc: int  # processes on this host
+    nnodes: int
+    node_rank: int
+    master_addr: str  # where the store listens; on one host 127.0.0.1
+    master_port: int  # 0: a free port the OS picks
+    max_restarts: int
+    env: dict[str, str]  # added to the workers' environment
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Config:
+    """The launch the parsed command line asks for, in the environment `environ`; BadInput if it cannot be."""
+    _check(args)
+    nproc, devices = _devices(args)
+    one_host = args.nnodes == 1
+    return Config(script=args.script, script_args=args.script_args, nproc=nproc, nnodes=args.nnodes,
+                  node_rank=args.node_rank, master_addr=LOOPBACK if one_host else args.master_addr,
+                  master_port=args.master_port or (0 if one_host else DEFAULT_MASTER_PORT),
+                  max_restarts=args.max_restarts, env=worker_env(args, nproc, devices, environ))
+
+
+def worker_env(args: argparse.Namespace, nproc: int, devices: str, environ: Mapping[str, str] = os.environ) -> dict:
+    """What ddipp adds to the workers' environment (the rest is elastic's): the device list, the collectives' timeout,
+    one OpenMP thread per process when several share the host, and on one host gloo and NCCL on loopback."""
+    from .dist import DEVICES_ENV, TIMEOUT_ENV, loopback_env  # here: bad input fails before torch loads
+
+    env = {DEVICES_ENV: devices, TIMEOUT_ENV: str(args.timeout)}
+    if nproc > 1 and "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = "1"
+    if args.nnodes == 1:
+        env.update(loopback_env(environ))
+    return env
+
+
+def _check(args: argparse.Namespace) -> None:
     """Reject bad input that needs no GPU count, before torch loads."""
     if args.node_rank >= args.nnodes:
-        parser.error(f"--node-rank {args.node_rank}: must be below --nnodes {args.nnodes}")
+        raise BadInput(f"--node-rank {args.node_rank}: must be below --nnodes {args.nnodes}")
     if args.nnodes > 1 and not args.master_addr:
-        parser.error(f"--nnodes {args.nnodes} needs --master-addr HOST, the address of node rank 0")
+        raise BadInput(f"--nnodes {args.nnodes} needs --master-addr HOST, the address of node rank 0")
+    if args.nnodes == 1 and args.master_addr:
+        raise BadInput(f"--master-addr {args.master_addr}: only for --nnodes > 1; "
+                       f"one host rendezvouses on {LOOPBACK}, leave it out")
     if args.master_port is not None and args.master_port > 65535:
-        parser.error(f"--master-port {args.master_port}: a port is 1..65535")
+        raise BadInput(f"--master-port {args.master_port}: a port is 1..65535")
     if not Path(args.script).is_file():
-        parser.error(f"script {args.script!r} not found")
+        raise BadInput(f"script {args.script!r} not found")
 
 
-def _devices(parser: _Parser, args: argparse.Namespace) -> tuple[int, str]:
+def _devices(args: argparse.Namespace) -> tuple[int, str]:
     """How many processes to start here, and the device list they get ("3,1" or "cpu")."""
     if args.nproc:
         return args.nproc, "cpu"
     import torch
     count = torch.cuda.device_count()
     if args.gpus is None and count == 0:
-        parser.error("no GPU on this host; pass --nproc N to run N CPU processes")
+        raise BadInput("no GPU on this host; pass --nproc N to run N CPU processes")
     try:
         gpus = parse_gpus(args.gpus or "all", count)
     except ValueError as e:
-        parser.error(f"--gpus {args.gpus}: {e}")
+        raise BadInput(f"--gpus {args.gpus}: {e}") from None
     return len(gpus), ",".join(map(str, gpus))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse the command line, start the group, exit 1 (showing the failed ranks' logs) if a rank fails."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    _check(parser, args)
-    nproc, devices = _devices(parser, args)
+def store_socket(config: Config) -> socket.socket | None:
+    """On one host, the socket the group's store will serve from, listening on 127.0.0.1; on node rank 0 of several,
+    None once the port is known to be free for torch's store. BadInput naming a port that cannot be had."""
+    if config.nnodes > 1 and config.node_rank > 0:
+        return None
+    host = LOOPBACK if config.nnodes == 1 else ""  # "": every interface, where torch's store will listen
+    try:
+        sock = socket.create_server((host, config.master_port))
+    except OSError as e:
+        raise BadInput(f"--master-port {config.master_port}: cannot listen on {host or '*'}:{config.master_port} "
+                       f"({os.strerror(e.errno)}); pick another port, or leave --master-port out") from None
+    if config.nnodes == 1:
+        return sock
+    sock.close()
+    return None
 
-    # imported once the input is known to be good, so bad input fails before torch loads
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+
+def run(config: Config, listener: socket.socket | None) -> int:
+    """Start the group `config` describes and wait for it; the exit status: 0 when every rank exited 0 (their logs are
+    then removed), 1 when a rank failed (logs kept, the failed ranks' shown), 128+N on signal N. `listener`: see
+    store_socket."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .dist import DEVICES_ENV
+    os.environ.update(config.env)  # the workers inherit the launcher's environment
+    logs = _rank_logs(config)
+    launch_config = LaunchConfig(min_nodes=config.nnodes, max_nodes=config.nnodes, nproc_per_node=config.nproc,
+                                 max_restarts=config.max_restarts, logs_specs=logs, **_rendezvous(config, listener))
+    try:
+        elastic_launch(launch_config, sys.executable)("-u", config.script, *config.script_args)
+    except ChildFailedError as e:
+        _report(e.failures, logs.stderrs)
+        return 1
+    except SignalException as e:
+        return 128 + e.sigval
+    shutil.rmtree(logs.root_log_dir)
+    return 0
+
+
+def _rendezvous(config: Config, listener: socket.socket | None) -> dict:
+    """LaunchConfig's rendezvous arguments: on one host ddipp's loopback rendezvous on `listener`, else torch's static
+    rendezvous at --master-addr:--master-port (node rank 0's store listens there on every interface)."""
+    if listener is None:
+        return dict(rdzv_backend="static", rdzv_configs={"rank": config.node_rank}, run_id="none",  # same on all nodes
+                    rdzv_endpoint=f"{config.master_addr}:{config.master_port}")
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
+    host, port = listener.getsockname()
+    return dict(rdzv_backend=LOOPBACK_RENDEZVOUS, rdzv_endpoint=f"{host}:{port}", run_id=uuid.uuid4().hex,
+                rdzv_configs={"listen_fd": listener.detach()})  # the store takes the socket over
+
+
+def _loopback_rendezvous(params):
+    """Elastic's handler for a one-host launch: torch's static rendezvous (no pickled state), its store served from the
+    socket ddipp bound to 127.0.0.1 (a store torch makes listens on every interface, whatever host it is given)."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        def __init__(self, host: str, port: int, run_id: str, timeout: int, listen_fd: int):
+            super().__init__(host, port, rank=0, world_size=1, run_id=run_id, timeout=timeout)
+            self._store = TCPStore(host, port, 1, True, self.timeout, master_listen_fd=listen_fd)
+
+        def get_backend(self) -> str:
+            return LOOPBACK_RENDEZVOUS
+
+    host, port = params.endpoint.rsplit(":", 1)
+    return LoopbackRendezvous(host, int(port), params.run_id, int(params.config["timeout"]),
+                              params.config["listen_fd"])
+
+
+def _rank_logs(config: Config):
+    """Elastic's per-rank log files, in a torchelastic_* temp folder: every rank but rank 0 writes there."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
     class RankLogs(DefaultLogsSpecs):
-        """Elastic's per-rank log files; prints their paths each time the group (re)starts."""
+        """Prints the log files' paths each time the group (re)starts."""
 
         stderrs: dict[int, str] = {}  # local rank -> its stderr log ("" when it prints to the terminal)
 
@@ -157,34 +308,32 @@ def main(argv: list[str] | None = None) -> None:
                       file=sys.stderr, flush=True)
             return dest
 
-    os.environ[DEVICES_ENV] = devices
-    if nproc > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    logs = RankLogs(redirects={i: Std.NONE if args.node_rank == 0 and i == 0 else Std.ALL for i in range(nproc)})
-    if args.nnodes > 1 or args.master_addr or args.master_port:  # torchrun's static rendezvous at a fixed address
-        rdzv = dict(rdzv_backend="static", rdzv_configs={"rank": args.node_rank}, run_id="none",  # same on all nodes
-                    rdzv_endpoint=f"{args.master_addr or '127.0.0.1'}:{args.master_port or DEFAULT_MASTER_PORT}")
-    else:  # one host: a c10d store on a port the OS picks
-        rdzv = dict(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", run_id=uuid.uuid4().hex)
-    config = LaunchConfig(min_nodes=args.nnodes, max_nodes=args.nnodes, nproc_per_node=nproc,
-                          max_restarts=args.max_restarts, logs_specs=logs, **rdzv)
+    rank0_here = config.node_rank == 0
+    return RankLogs(redirects={i: Std.NONE if rank0_here and i == 0 else Std.ALL for i in range(config.nproc)})
+
+
+def _report(failures: dict, stderrs: dict[int, str]) -> None:
+    """Say which ranks failed, with the end of each one's log (elastic's "first failure" is only to the second)."""
+    for rank, failure in sorted(failures.items()):
+        log = stderrs.get(failure.local_rank)
+        if failure.exitcode < 0:
+            print(f"{PROG}: rank {rank} stopped ({failure.signal_name()})", file=sys.stderr)
+        elif not log:
+            print(f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); its output is above", file=sys.stderr)
+        else:
+            tail = Path(log).read_text(errors="replace").splitlines()[-TAIL_LINES:]
+            print(f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); end of {log}:", *tail,
+                  sep="\n", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, start the group, exit 1 (showing the failed ranks' logs) if a rank fails."""
     try:
-        elastic_launch(config, sys.executable)("-u", args.script, *args.script_args)
-    except ChildFailedError as e:
-        for rank, failure in sorted(e.failures.items()):  # elastic's "first failure" is only to the second
-            log = logs.stderrs.get(failure.local_rank)
-            if failure.exitcode < 0:
-                print(f"{PROG}: rank {rank} stopped ({failure.signal_name()})", file=sys.stderr)
-            elif not log:
-                print(f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); its output is above",
-                      file=sys.stderr)
-            else:
-                tail = Path(log).read_text(errors="replace").splitlines()[-TAIL_LINES:]
-                print(f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); end of {log}:", *tail,
-                      sep="\n", file=sys.stderr)
-        sys.exit(1)
-    except SignalException as e:
-        sys.exit(128 + e.sigval)
+        config = config_from_args(parse(argv))
+        listener = store_socket(config)
+    except BadInput as e:
+        _refuse(str(e))
+    sys.exit(run(config, listener))
 
 
 if __name__ == "__main__":

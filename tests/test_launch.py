@@ -1,4 +1,6 @@
-"""python -m ddipp.launch: the --gpus mapping, one-line errors for bad input, and real CPU launches."""
+"""python -m ddipp.launch: the --gpus mapping, the launch configuration and the workers' environment, one-line errors
+for bad input, and real CPU launches: what listens where, what stays in the temp folder."""
+import ipaddress
 import json
 import os
 import re
@@ -6,12 +8,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
-from ddipp.launch import PROG, parse_gpus
+from ddipp.launch import PROG, Config, config_from_args, parse, parse_gpus, store_socket
 
 WORKERS = Path(__file__).parent / "workers"
 ECHO, FAIL = WORKERS / "launch_echo.py", WORKERS / "launch_fail.py"
@@ -20,9 +23,10 @@ ENV = dict(os.environ, PYTHONWARNINGS="ignore:pkg_resources is deprecated:UserWa
 ENV.pop("OMP_NUM_THREADS", None)  # the launcher must set it to 1 itself
 
 
-def launch(*args: str) -> subprocess.Popen:
-    """Start `python -m ddipp.launch ARGS` with its output captured."""
-    return subprocess.Popen([sys.executable, "-m", "ddipp.launch", *map(str, args)], env=ENV, text=True,
+def launch(*args: str, tmp: Path | None = None) -> subprocess.Popen:
+    """Start `python -m ddipp.launch ARGS` with its output captured (and `tmp` as its temp folder)."""
+    env = dict(ENV, TMPDIR=str(tmp)) if tmp else ENV
+    return subprocess.Popen([sys.executable, "-m", "ddipp.launch", *map(str, args)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -38,6 +42,68 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 def log_paths(stderr: str, rank: int) -> list[tuple[Path, Path]]:
     """The (stdout, stderr) log files the launcher said `rank` writes to, one pair per attempt."""
     return [(Path(o), Path(e)) for o, e in re.findall(rf"rank {rank}: (\S+) (\S+)", stderr)]
+
+
+def listening(pid: int) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every LISTEN socket of process `pid` and of its descendants."""
+    root = psutil.Process(pid)
+    return [(p.pid, c.laddr.ip, c.laddr.port) for p in [root, *root.children(recursive=True)]
+            for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+
+def outside_address() -> str | None:
+    """An address of this host that other machines could reach (not loopback or link-local), or None."""
+    for addr in (a for addrs in psutil.net_if_addrs().values() for a in addrs):
+        if addr.family in (socket.AF_INET, socket.AF_INET6):
+            ip = ipaddress.ip_address(addr.address.split("%")[0])
+            if not (ip.is_loopback or ip.is_link_local):
+                return str(ip)
+    return None
+
+
+def connect(address: str, port: int) -> str:
+    """How a TCP connection to address:port ends: "refused", or "accepted" (then closed at once)."""
+    try:
+        socket.create_connection((address, port), timeout=10).close()
+    except ConnectionRefusedError:
+        return "refused"
+    return "accepted"
+
+
+def wait_for(paths: list[Path], procs: list[subprocess.Popen], seconds: float = 240) -> bool:
+    """Wait until every path exists: True; False if a launch ends first, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not all(path.exists() for path in paths):
+        if any(proc.poll() is not None for proc in procs) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_one_host_listens_on_loopback_and_keeps_the_workers_there():
+    config = config_from_args(parse(["--nproc", "2", str(ECHO), "--epochs", "4"]), environ={})
+    assert config == Config(script=str(ECHO), script_args=["--epochs", "4"], nproc=2, nnodes=1, node_rank=0,
+                            master_addr="127.0.0.1", master_port=0, max_restarts=0,
+                            env={"DDIPP_DEVICES": "cpu", "DDIPP_TIMEOUT": "600", "OMP_NUM_THREADS": "1",
+                                 "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo"})
+    with store_socket(config) as first, store_socket(config) as second:  # two launches at once
+        assert first.getsockname()[0] == second.getsockname()[0] == "127.0.0.1"
+        assert first.getsockname()[1] != second.getsockname()[1]
+
+
+def test_the_users_own_settings_win():
+    args = parse(["--nproc", "2", "--timeout", "42.5", "--master-port", "29600", str(ECHO)])
+    config = config_from_args(args, environ={"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "4"})
+    assert (config.master_addr, config.master_port) == ("127.0.0.1", 29600)
+    assert config.env == {"DDIPP_DEVICES": "cpu", "DDIPP_TIMEOUT": "42.5", "NCCL_SOCKET_IFNAME": "=lo"}
+
+
+def test_several_hosts_meet_at_the_master_address_on_the_hosts_interfaces():
+    args = parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", "--nproc", "1", str(ECHO)])
+    config = config_from_args(args, environ={})
+    assert (config.master_addr, config.master_port, config.nnodes, config.node_rank) == ("node0", 29500, 2, 1)
+    assert config.env == {"DDIPP_DEVICES": "cpu", "DDIPP_TIMEOUT": "600"}
+    assert store_socket(config) is None  # node rank 0's store listens elsewhere
 
 
 @pytest.mark.parametrize("spec, count, expected", [
@@ -71,6 +137,12 @@ BAD_INPUT = {  # arguments -> what the one-line error must say (this host has no
     ("--nproc", "2", "missing.py"): "script 'missing.py' not found",
     ("--nproc", "1", "--nnodes", "2", ECHO): "--nnodes 2 needs --master-addr HOST",
     ("--nproc", "1", "--node-rank", "1", ECHO): "--node-rank 1: must be below --nnodes 1",
+    ("--nproc", "1", "--master-addr", "10.0.0.1", ECHO): "--master-addr 10.0.0.1: only for --nnodes > 1; one host",
+    ("--nproc", "1", "--timeout", "0", ECHO): "argument --timeout: '0' is not a number of seconds > 0, e.g. --timeout",
+    ("--nproc", "1", "--timeout", "-5", ECHO): "argument --timeout: '-5' is not a number of seconds > 0",
+    ("--nproc", "1", "--timeout", "soon", ECHO): "argument --timeout: 'soon' is not a number of seconds > 0",
+    ("--nproc", "1", "--timeout", "inf", ECHO): "argument --timeout: 'inf' is not a number of seconds > 0",
+    ("--nproc", "1", "--timeout", "nan", ECHO): "argument --timeout: 'nan' is not a number of seconds > 0",
 }
 
 
@@ -90,45 +162,120 @@ def test_bad_input_fails_at_once_with_one_line(bad_input_runs, args):
     assert rc == 2 and stdout == ""
     assert stderr.count("\n") == 1 and stderr.startswith(f"{PROG}: error: {BAD_INPUT[args]}"), stderr
     assert not list(out.iterdir()), "no worker may start"
-    assert seconds < 30  # no fastai import, no worker: seconds at most, even with 10 launchers on 2 cores
+    assert seconds < 60  # no fastai import, no worker: 16 launchers (4 load torch for the GPU count) on 2 busy cores
+
+
+
+def test_a_master_port_in_use_is_refused_before_any_worker_starts(tmp_path):
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir(), tmp.mkdir()
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        procs = {"127.0.0.1": launch("--nproc", 2, "--master-port", port, ECHO, out, tmp=tmp),  # one host
+                 "*": launch("--nnodes", 2, "--master-addr", "127.0.0.1", "--master-port", port, "--nproc", 1, ECHO,
+                             out, tmp=tmp)}  # node rank 0 of two
+        runs = {where: finish(proc) for where, proc in procs.items()}
+    for where, (rc, stdout, stderr) in runs.items():
+        assert rc == 2 and stdout == "" and stderr.count("\n") == 1, stderr
+        assert stderr.startswith(f"{PROG}: error: --master-port {port}: cannot listen on {where}:{port} "
+                                 "(Address already in use); pick another port, or leave --master-port out")
+    assert not list(out.iterdir()) and not list(tmp.iterdir()), "no worker may start, no log folder be made"
+
+
+@dataclass
+class HeldLaunch:
+    """A launch of the echo worker: what it looked like while its workers held the group, and how it ended."""
+
+    out: Path  # the echo worker's folder
+    tmp: Path  # the launcher's temp folder
+    listening: list[tuple[int, str, int]]  # (pid, address, port) of the launcher's and the workers' LISTEN sockets
+    store_port: int
+    connections: dict[str, str]  # address -> how a connection to the store's port there ended
+    files: dict[Path, str]  # the temp folder's files and what they held
+    rc: int
+    stdout: str
+    stderr: str
 
 
 @pytest.fixture(scope="module")
 def two_launches(tmp_path_factory):
-    """Two --nproc 2 launches of the echo worker running at the same time on this host."""
-    dirs = [tmp_path_factory.mktemp(f"run{i}") for i in range(2)]
-    procs = [launch("--nproc", 2, ECHO, d, "--epochs", 4, "--nproc", 7) for d in dirs]
-    return [(*finish(proc), d) for proc, d in zip(procs, dirs)]
+    """Two --nproc 2 launches of the echo worker running at the same time on this host, each with its own temp folder,
+    the first with --timeout 42.5; both looked at while their workers hold the group, then let finish."""
+    dirs = [(tmp_path_factory.mktemp(f"run{i}"), tmp_path_factory.mktemp(f"tmp{i}")) for i in range(2)]
+    for out, _ in dirs:
+        (out / "hold").touch()
+    procs = [launch("--nproc", 2, *timeout, ECHO, out, "--epochs", 4, "--nproc", 7, tmp=tmp)
+             for (out, tmp), timeout in zip(dirs, [("--timeout", "42.5"), ()])]
+    formed = wait_for([out / f"rank{rank}.json" for out, _ in dirs for rank in range(2)], procs)
+    seen = [held(proc, out, tmp) for proc, (out, tmp) in zip(procs, dirs)] if formed else []
+    for out, _ in dirs:
+        (out / "hold").unlink()
+    ended = [finish(proc) for proc in procs]
+    if not formed:
+        pytest.fail("the groups did not form:\n" + "\n".join(stderr[-3000:] for _, _, stderr in ended))
+    return [HeldLaunch(*looks, *end) for looks, end in zip(seen, ended)]
+
+
+def held(proc: subprocess.Popen, out: Path, tmp: Path) -> tuple:
+    """What a launch whose workers hold their group looks like: HeldLaunch's fields up to `files`."""
+    port = int(json.loads((out / "rank0.json").read_text())["MASTER_PORT"])
+    addresses = ["127.0.0.1", *filter(None, [outside_address()])]
+    return (out, tmp, listening(proc.pid), port, {address: connect(address, port) for address in addresses},
+            {path: path.read_text() for path in tmp.rglob("*") if path.is_file()})
 
 
 def test_two_launches_at_once_both_succeed(two_launches):
-    for rc, _, stderr, _ in two_launches:
-        assert rc == 0, stderr[-3000:]
-    ports = {json.loads((d / "rank0.json").read_text())["MASTER_PORT"] for *_, d in two_launches}
-    assert len(ports) == 2
+    for run in two_launches:
+        assert run.rc == 0, run.stderr[-3000:]
+    assert len({run.store_port for run in two_launches}) == 2
 
 
 def test_every_rank_gets_its_env_and_the_script_args(two_launches):
-    _, _, _, out = two_launches[0]
-    for rank in range(2):
-        seen = json.loads((out / f"rank{rank}.json").read_text())
-        assert seen == dict(seen, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", DDIPP_DEVICES="cpu",
-                            OMP_NUM_THREADS="1", args=["--epochs", "4", "--nproc", "7"], sum_of_ranks_plus_one=3)
+    for run, timeout in zip(two_launches, ["42.5", "600"]):
+        for rank in range(2):
+            seen = json.loads((run.out / f"rank{rank}.json").read_text())
+            assert seen == dict(seen, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", DDIPP_DEVICES="cpu",
+                                DDIPP_TIMEOUT=timeout, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+                                GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="=lo",
+                                args=["--epochs", "4", "--nproc", "7"], sum_of_ranks_plus_one=3)
+
+
+def test_nothing_of_a_one_host_launch_listens_beyond_loopback(two_launches):
+    for run in two_launches:
+        pids = {pid for pid, _, _ in run.listening}
+        assert len(pids) == 3 and run.store_port in {port for _, _, port in run.listening}  # launcher, 2 workers
+        beyond = [(pid, address, port) for pid, address, port in run.listening
+                  if not ipaddress.ip_address(address).is_loopback]
+        assert beyond == []
+
+
+def test_the_store_is_not_reachable_from_the_network(two_launches):
+    for run in two_launches:
+        assert run.connections.pop("127.0.0.1") == "accepted"
+        if not run.connections:
+            pytest.skip("this host has no address beyond loopback")
+        assert set(run.connections.values()) == {"refused"}, run.connections
 
 
 def test_only_rank0_prints_and_the_others_log_to_the_printed_files(two_launches):
-    _, stdout, stderr, _ = two_launches[0]
-    assert "stdout of rank 0" in stdout and "stdout of rank 1" not in stdout
-    assert "stderr of rank 0" in stderr and "stderr of rank 1" not in stderr
-    assert len(re.findall("only rank 0 prints here", stderr)) == 1
-    [(out_log, err_log)] = log_paths(stderr, 1)
-    assert "stdout of rank 1" in out_log.read_text()
-    assert "stderr of rank 1" in err_log.read_text()
+    run = two_launches[0]
+    assert "stdout of rank 0" in run.stdout and "stdout of rank 1" not in run.stdout
+    assert "stderr of rank 0" in run.stderr and "stderr of rank 1" not in run.stderr
+    assert len(re.findall("only rank 0 prints here", run.stderr)) == 1
+    [(out_log, err_log)] = log_paths(run.stderr, 1)
+    assert "stdout of rank 1" in run.files[out_log]  # read while the group ran: a successful run's logs go
+    assert "stderr of rank 1" in run.files[err_log]
 
 
-def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_leaves_no_process():
+def test_a_successful_launch_leaves_nothing_in_the_temp_folder(two_launches):
+    for run in two_launches:
+        assert run.files and all(path.is_relative_to(run.tmp) for path in run.files)  # logs while it ran
+        assert not list(run.tmp.iterdir())
+
+
+def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_keeps_the_logs(tmp_path):
     start = time.monotonic()
-    rc, stdout, stderr = finish(launch("--nproc", 2, "--max-restarts", 1, FAIL))
+    rc, stdout, stderr = finish(launch("--nproc", 2, "--max-restarts", 1, FAIL, tmp=tmp_path))
     assert rc == 1 and time.monotonic() - start < 120
     assert stdout.count("rank 0 waits for rank 1, forever") == 2  # blocked, then stopped, in each attempt
     assert "rank 0 stopped (SIGTERM)" in stderr
@@ -137,21 +284,27 @@ def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_leaves_no_proces
     attempts = log_paths(stderr, 1)
     assert [p.parent.parent.name for p, _ in attempts] == ["attempt_0", "attempt_1"]  # --max-restarts 1: twice
     assert all("rank 1 gives up on purpose" in err.read_text() for _, err in attempts)
+    [folder] = tmp_path.iterdir()  # the logs stay, in the one folder the launch made
+    assert folder.name.startswith("torchelastic_") and all(err.is_relative_to(folder) for _, err in attempts)
+    assert f"end of {attempts[-1][1]}:" in stderr
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(FAIL) in " ".join(p.info["cmdline"] or [])]
     assert left == []
 
 
 def test_two_nodes_form_one_group(tmp_path):
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir(), tmp.mkdir()
     with socket.socket() as s:  # a free port for node 0's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [launch("--nnodes", 2, "--node-rank", node, "--master-addr", "127.0.0.1", "--master-port", port,
-                    "--nproc", 1, ECHO, tmp_path) for node in range(2)]
+                    "--nproc", 1, ECHO, out, tmp=tmp) for node in range(2)]
     (rc0, out0, err0), (rc1, out1, err1) = map(finish, procs)
     assert rc0 == rc1 == 0, err0[-3000:] + err1[-3000:]
     for rank in range(2):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        seen = json.loads((out / f"rank{rank}.json").read_text())
         assert (seen["LOCAL_RANK"], seen["WORLD_SIZE"], seen["sum_of_ranks_plus_one"]) == ("0", "2", 3)
+        assert (seen["MASTER_PORT"], seen["GLOO_SOCKET_IFNAME"]) == (str(port), None)  # gloo where the hosts meet
     assert "stdout of rank 0" in out0 and out1 == ""  # node 1's only rank is not rank 0: it logs to a file
     [(out_log, _)] = log_paths(err1, 1)
-    assert "stdout of rank 1" in out_log.read_text()
+    assert out_log.is_relative_to(tmp) and not list(tmp.iterdir())  # removed: both nodes succeeded
