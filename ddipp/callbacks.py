@@ -33,28 +33,35 @@ class DistributedCallback(LearnerCallback):
 
     At on_train_begin it wraps the model and shards the loaders, before the other callbacks' on_train_begin
     (schedules count the sharded batches); at on_train_end it puts the plain model and the original
-    loaders back, also when the fit raised."""
+    loaders back, also when the fit raised: then every rank leaves the process group before the other callbacks'
+    on_train_end (fastai's load waits at a barrier), so that the collectives of ranks still training fail at once
+    instead of at the timeout; the next fit joins a new group."""
     _order = -20  # before Recorder (-10): it must record the global loss, and stay silent on rank > 0
 
     def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None):
         super().__init__(learn)
         self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
-        self.distributed = False
+        self.distributed = self.fitting = False
         self.unmute = lambda: None
 
     def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
         if pbar is None or not ddist.init():  # Learner.validate() (no bar, no on_train_end), or not launched
             return
+        self.fitting = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        data = self.learn.data
+        sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, _broadcast_seed())
+        if len(sharded) == 0:  # refused before anything changes
+            raise ValueError(_no_batch(data.train_dl, self.world_size))
         if self.rank != 0:
             self.learn.recorder.silent = True
             hide_progress_bars()
             self.unmute = _csv_loggers_aside(self.learn)
         self.smoother = SmoothenValue(0.98)
-        data, self.model = self.learn.data, self.learn.model
+        self.model = self.learn.model
         self.learn.model = self._wrap(self.model)
         self.train_dl, self.valid_dl = data.train_dl, data.valid_dl
-        data.train_dl = shard_train_loader(self.train_dl, self.rank, self.world_size, _broadcast_seed())
+        data.train_dl = sharded
         self.train_sampler = data.train_dl.dl.batch_sampler.sampler
         self.unscale = _rescale_schedule(self.learn, len(self.train_dl) * n_epochs, len(data.train_dl) * n_epochs)
         self.lm_streams = getattr(data.train_dl.dl.dataset, "set_epoch", None)  # language-model streams
@@ -120,10 +127,34 @@ class DistributedCallback(LearnerCallback):
         if self._validating(train):
             self.valid_batch += 1
 
-    def on_train_end(self, **kwargs) -> None:
+    def on_train_end(self, exception, **kwargs) -> None:
         self.undistribute()
         self.unmute()
         self.unmute = lambda: None
+        fitting, self.fitting = self.fitting, False
+        if not (fitting and dist.is_initialized()):
+            return
+        if exception:  # before any other callback's collective could wait for a peer
+            if ddist.peer_failure(exception):
+                exception.add_note("ddipp: this rank stopped because another rank failed; that rank's error is "
+                                   "the one to read")
+            ddist.leave()
+            return
+        try:  # what rank 0 wrote during the fit exists for all (SaveModelCallback's on_train_end looks for it)
+            dist.barrier()
+        except Exception as e:
+            if ddist.peer_failure(e):  # a rank failed at the very end
+                ddist.leave()
+            raise
+
+
+def _no_batch(loader, world_size: int) -> str:
+    """Why a rank's shard of `loader` makes no batch, and the largest batch size that works."""
+    batches = loader.dl.batch_sampler
+    share = len(batches.sampler) // world_size
+    return (f"the per-process batch size {batches.batch_size} is larger than a rank's share of the training set "
+            f"({len(batches.sampler)} items / {world_size} ranks = {share}) and drop_last leaves no batch: use "
+            f"bs <= {share} (each rank takes bs items a step; the global batch is bs x {world_size})")
 
 
 class ResettableDDP(DistributedDataParallel):
@@ -191,6 +222,9 @@ def _broadcast_seed() -> int:
     return seed[0]
 
 
+LR_FIND_MODES = ("solo", "distributed")
+
+
 class LRFinderBypassCallback(LearnerCallback):
     """`lr_find` under DDP: sweeps once and leaves every rank with the same weights and the same recorder.
 
@@ -200,7 +234,7 @@ class LRFinderBypassCallback(LearnerCallback):
 
     def __init__(self, learn: Learner, mode: str = "solo"):
         super().__init__(learn)
-        if mode not in ("solo", "distributed"):
+        if mode not in LR_FIND_MODES:
             raise ValueError(f"mode={mode!r}: use 'solo' (rank 0 sweeps alone) or 'distributed' (global batch)")
         self.mode, self.sweeping = mode, False
 
@@ -234,7 +268,7 @@ class LRFinderBypassCallback(LearnerCallback):
 
     def on_train_end(self, **kwargs) -> None:
         # LRFinder.on_train_end already reloaded the pre-sweep weights on every rank (after fastai's load barrier)
-        if self.sweeping and self.mode == "solo":
+        if self.sweeping and self.mode == "solo" and dist.is_initialized():  # not after a failure (left the group)
             recorder = self.learn.recorder
             history = [(recorder.lrs, recorder.moms, recorder.losses, recorder.nb_batches)]
             dist.broadcast_object_list(history, src=0)

@@ -1,5 +1,4 @@
 """Checkpoint: a fit that can be resumed where it stopped, with the same result as if it had not stopped."""
-import os
 import random
 import warnings
 from pathlib import Path
@@ -11,6 +10,7 @@ from fastai.basic_train import Learner, LearnerCallback
 from fastai.torch_core import get_model
 
 from . import dist as ddist
+from .files import save_atomic
 
 
 class Checkpoint(LearnerCallback):
@@ -37,7 +37,7 @@ class Checkpoint(LearnerCallback):
         if not self.path.exists():
             raise FileNotFoundError(f"start_epoch={epoch}: no checkpoint at {self.path}; fit from the start "
                                     "(no start_epoch) or give Checkpoint the name the interrupted fit used")
-        state = torch.load(self.path, map_location="cpu", weights_only=False)  # ddipp's own file: RNG states
+        state = torch.load(self.path, map_location="cpu", weights_only=True)  # tensors and lists only: runs no code
         if state["epoch"] != epoch:
             raise ValueError(f"start_epoch={epoch}, but {self.path} holds the state after epoch {state['epoch']}; "
                              f"pass start_epoch={state['epoch']}")
@@ -57,18 +57,22 @@ class Checkpoint(LearnerCallback):
             warnings.warn(f"{self.path} was written by {len(rngs)} ranks, this group has {ddist.world_size()}: "
                           "random number generators are not restored (dropout and augmentation draws will differ)")
             return
-        python, numpy, torch_cpu, cuda = rngs[ddist.rank()]
-        random.setstate(python)
-        np.random.set_state(numpy)
+        python, (key, *numpy), torch_cpu, cuda = rngs[ddist.rank()]
+        random.setstate((python[0], tuple(python[1]), python[2]))
+        np.random.set_state(("MT19937", key.numpy().astype(np.uint32), *numpy))
         torch.set_rng_state(torch_cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
 
 
-def _rng_states() -> tuple:
-    """This process's python, numpy, torch CPU and (if in use) current CUDA generator states."""
+def _rng_states() -> list:
+    """This process's python, numpy, torch CPU and (if in use) current CUDA generator states, as tensors and lists
+    (what a weights-only load reads)."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+    version, python, gauss = random.getstate()
+    _, key, pos, has_gauss, cached = np.random.get_state()
+    return [[version, list(python), gauss], [torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss),
+                                            float(cached)], torch.get_rng_state(), cuda]
 
 
 def _every_rank(obj) -> list:
@@ -78,17 +82,3 @@ def _every_rank(obj) -> list:
     objs = [None] * dist.get_world_size()
     dist.all_gather_object(objs, obj)
     return objs
-
-
-def save_atomic(obj, path: Path) -> None:
-    """torch.save `obj` to `path` through a temporary file and a rename: `path` is either the old file or the new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

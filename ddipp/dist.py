@@ -85,20 +85,53 @@ def bind_device() -> torch.device:
 
 
 def init() -> bool:
-    """Join the process group the launcher described (NCCL on CUDA, gloo on CPU); False when not launched."""
+    """Join the process group the launcher described (NCCL on CUDA, gloo on CPU); False when not launched.
+
+    After `leave()` it joins a new group of the same ranks, through the old group's store: every rank left when a
+    fit failed, so all of them meet again at their next fit (a script that caught the error goes on)."""
     if dist.is_initialized():
         return True
     if not launched():
         return False
     dev = bind_device()
     timeout = os.environ.get(TIMEOUT_ENV)
-    timeout = {"timeout": timedelta(seconds=float(timeout))} if timeout else {}
+    options = {"timeout": timedelta(seconds=float(timeout))} if timeout else {}
+    backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
-        dist.init_process_group("nccl", init_method="env://", device_id=dev, **timeout)
+        options["device_id"] = dev
+    if _left is None:
+        dist.init_process_group(backend, init_method="env://", **options)
+        atexit.register(teardown)
     else:
-        dist.init_process_group("gloo", init_method="env://", **timeout)
-    atexit.register(teardown)
+        store, world_size, times = _left
+        os.environ["WORLD_SIZE"] = str(world_size)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"ddipp-rejoin{times}", store), rank=rank(),
+                                world_size=world_size, **options)
     return True
+
+
+_left = None  # after leave(): (the old group's store, its size, how many times this process left)
+
+
+def leave() -> None:
+    """Leave the process group at once after a failure, so that the other ranks' collectives with this one fail
+    now instead of at the timeout; until `init()` joins again this process runs alone (fastai reads WORLD_SIZE)."""
+    global _left
+    if not dist.is_initialized():
+        return
+    store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    if dist.get_backend() == "nccl":  # NCCL's way to drop a communicator with work in flight
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+    _left = store, world_size, 0 if _left is None else _left[2] + 1
+    os.environ["WORLD_SIZE"] = "1"
+
+
+def peer_failure(error: BaseException) -> bool:
+    """True for the error a collective raises when another rank failed or left (not a problem of this rank)."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and any(
+        sign in str(error) for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")))
 
 
 def teardown() -> None:

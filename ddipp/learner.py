@@ -1,12 +1,15 @@
 """`Learner.to_ddp` / `Learner.from_ddp`, added the way fastai v1 adds `to_fp16` and `to_distributed`."""
 import os
+import weakref
 from functools import partial
 from typing import Optional, Sequence, Tuple
 
 from fastai.basic_train import Learner
+from fastai.torch_core import is_pathlike, rank_distrib
 
 from . import dist
-from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
+from .callbacks import LR_FIND_MODES, DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
+from .files import replacing
 from .launch import check_gpus
 from .sampling import lm_eval_loader
 
@@ -22,6 +25,7 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     (a notebook) it binds `learn` to a persistent group of worker processes, one per GPU of `gpus` in that
     order or `nprocs` CPU processes, on which each fit runs; `timeout` is how many seconds a rank may wait for
     the others in a collective before the fit fails instead of hanging."""
+    _check_options(lr_find_mode, timeout)
     options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
     if not dist.launched():
         if gpus is None and nprocs is None:
@@ -35,9 +39,36 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
         hide_progress_bars()  # also for validate() and get_preds() outside a fit
     from_ddp(learn)
     _lm_eval_loaders(learn.data)
+    learn.save = AtomicSave(learn)  # SaveModelCallback's and lr_find's files survive a crash mid-write
     learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
                            partial(LRFinderBypassCallback, mode=lr_find_mode), GCCallback]
     return learn
+
+
+def _check_options(lr_find_mode, timeout) -> None:
+    if lr_find_mode not in LR_FIND_MODES:
+        raise ValueError(f"to_ddp(lr_find_mode={lr_find_mode!r}): use 'solo' (rank 0 sweeps alone) or "
+                         "'distributed' (all ranks sweep with the global batch)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"to_ddp(timeout={timeout!r}): timeout is the seconds a rank may wait for the others, "
+                         "a number > 0 (default 600)")
+
+
+class AtomicSave:
+    """`learn.save` of a learner under ddipp: fastai's own save, into a file that replaces the target only once it
+    is whole (fastai writes in place: a crash mid-write would leave neither the old model nor the new)."""
+
+    def __init__(self, learn: Learner):
+        self.learn = weakref.ref(learn)
+
+    def __call__(self, file=None, return_path: bool = False, with_opt: bool = True):
+        learn = self.learn()
+        if not is_pathlike(file) or rank_distrib():  # a stream, or a rank that does not write: fastai's own way
+            return type(learn).save(learn, file, return_path, with_opt)
+        target = learn.path / learn.model_dir / f"{file}.pth"
+        with replacing(target) as f:
+            type(learn).save(learn, f, with_opt=with_opt)
+        return target if return_path else None
 
 
 def _lm_eval_loaders(data) -> None:
@@ -50,6 +81,8 @@ def _lm_eval_loaders(data) -> None:
 def from_ddp(learn: Learner) -> Learner:
     """Back to plain single-process fastai: removes ddipp's callbacks, or the binding to a notebook's workers."""
     learn.callback_fns = [f for f in learn.callback_fns if getattr(f, "func", f) not in _DDIPP_CALLBACKS]
+    if isinstance(vars(learn).get("save"), AtomicSave):
+        del learn.save
     if "ddp" in vars(learn):
         from .interactive.binding import unbind
         unbind(learn)
@@ -63,10 +96,11 @@ def _notebook_devices(gpus, nprocs) -> Tuple[str, ...]:
         raise ValueError(f"to_ddp(gpus={list(gpus)}, nprocs={nprocs}): give gpus for GPUs or nprocs for CPU "
                          "processes, not both")
     if nprocs is not None:
-        if not isinstance(nprocs, int) or nprocs < 1:
+        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"to_ddp(nprocs={nprocs!r}): nprocs is the number of CPU processes, a whole number >= 1")
         return ("cpu",) * nprocs
-    if isinstance(gpus, int) or not all(isinstance(g, int) and g >= 0 for g in gpus) or not gpus:
+    if isinstance(gpus, int) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus) \
+            or not gpus:
         raise ValueError(f"to_ddp(gpus={gpus!r}): gpus is a list of GPU indices, e.g. gpus=[0, 1]")
     try:
         check_gpus(list(gpus), torch.cuda.device_count(), "gpus=[0, 1]", "to_ddp(nprocs=N)")

@@ -1,6 +1,5 @@
 """Shared fixtures: tiny data sets made on the spot (no downloads), a one-thread torch, and the scenario
 (tests/workers/scenario.py) played once launched on 2 ranks and once in one process, for every module."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +22,8 @@ def digits_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
     """What tests/workers/fit_worker.py saw on each of 2 launched ranks (per-rank batch 16), and its folder."""
-    import ddipp
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{ddipp.dist.DEVICES_ENV: "cpu"})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKERS / "fit_worker.py"), str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    launch_2_ranks(WORKERS / "fit_worker.py", out)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)], out
 
 
@@ -43,11 +37,13 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def beyond_ranks(tmp_path_factory):
     """What tests/workers/beyond_worker.py saw on each of 2 launched ranks, and its folder."""
-    import ddipp
     out = tmp_path_factory.mktemp("beyond")
-    env = dict(os.environ, OMP_NUM_THREADS="1", DDIPP_TIMEOUT="120", **{ddipp.dist.DEVICES_ENV: "cpu"})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKERS / "beyond_worker.py"), str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    launch_2_ranks(WORKERS / "beyond_worker.py", out)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+
+
+def launch_2_ranks(script: Path, out: Path) -> None:
+    """Run `script OUT` under ddipp's launcher on 2 CPU processes (a collective may wait 120 s); fail with its output."""
+    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "120", str(script),
+                           str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]

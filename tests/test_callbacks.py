@@ -3,6 +3,11 @@
 One launched run (tests/workers/fit_worker.py, the `ranks` fixture) plays tests/workers/scenario.py with
 per-rank batch 16; the `reference` plays it here in one process with batch 32 (the global batch).
 """
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from fastai.basic_train import Learner
 from fastai.callbacks.flat_cos_anneal import FlatCosAnnealScheduler
@@ -10,6 +15,8 @@ from fastai.callbacks.flat_cos_anneal import FlatCosAnnealScheduler
 from ddipp import GCCallback
 from ddipp.callbacks import _rescale_schedule
 from scenario import TOL, between_fits, close, decisions, digits_data, digits_learner, failed_fit, max_diff, sweep
+
+WORKERS = Path(__file__).parent / "workers"
 
 
 @pytest.mark.parametrize("stage", ["params_fit", "params_frozen", "params_unfrozen"])
@@ -144,3 +151,28 @@ def test_a_schedule_planned_for_the_unsharded_loader_is_the_one_fastai_plans_for
     assert _phases(sched) == planned == [(128, 128, 128), (50, 50, 50)]
     _rescale_schedule(learn, 3 * 89, 3 * 44)  # planned for another fit: left alone
     assert _phases(sched) == planned
+
+
+@pytest.fixture(scope="module")
+def failing_launches(tmp_path_factory):
+    """Both stories of tests/workers/fail_fast_worker.py launched at once: (exit code, stderr, seconds from rank
+    1's raise to the launcher's exit) each."""
+    outs = {story: tmp_path_factory.mktemp(story) for story in ("save_model", "lr_find")}
+    procs = {story: subprocess.Popen([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "60",
+                                      str(WORKERS / "fail_fast_worker.py"), str(out), story],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for story, out in outs.items()}
+    runs = {}
+    for story, proc in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        ended = time.time()
+        raised = float((outs[story] / "raised").read_text())
+        runs[story] = proc.returncode, stderr, ended - raised
+    return runs
+
+
+@pytest.mark.parametrize("story", ["save_model", "lr_find"])
+def test_a_launched_rank_that_raises_ends_the_run_with_its_error_long_before_the_timeout(failing_launches, story):
+    rc, stderr, seconds = failing_launches[story]
+    assert rc == 1 and seconds < 10, (seconds, stderr[-3000:])
+    assert "rank 1 failed (exit code 1)" in stderr and "ValueError: rank 1 fails on purpose" in stderr

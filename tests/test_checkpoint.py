@@ -1,9 +1,11 @@
 """Checkpoint: resuming a 4-epoch one-cycle fit after epoch 2, on 2 ranks (`beyond_ranks`) and in one process."""
+import pickle
+
 import pytest
 import torch
 
 from beyond import resume_story
-from ddipp.checkpoint import save_atomic
+from ddipp.files import save_atomic
 from scenario import TOL, close, max_diff
 
 
@@ -42,3 +44,28 @@ def test_a_write_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monk
         save_atomic({"epoch": 2}, path)
     assert torch.load(path) == {"epoch": 1}
     assert [p.name for p in path.parent.iterdir()] == ["ckpt.pth"]
+
+
+class _RunsCode:
+    """What an attacker could put in a replaced checkpoint file: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tmp_path):
+    from functools import partial
+
+    import ddipp
+    from beyond import ckpt_learner
+    learn = ckpt_learner(tmp_path)
+    learn.callback_fns.append(partial(ddipp.Checkpoint, name="run"))
+    marker = tmp_path / "code-ran"
+    (learn.path / learn.model_dir).mkdir()
+    torch.save(dict(epoch=2, payload=_RunsCode(marker)), learn.path / learn.model_dir / "run.pth")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        learn.fit_one_cycle(4, 1e-2, start_epoch=2)
+    assert not marker.exists()

@@ -1,14 +1,12 @@
 """The rank helpers: single-process values when not launched, the group's values in a real 2-process run."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ddipp
+from conftest import launch_2_ranks
 from ddipp import dist
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", dist.DEVICES_ENV)
@@ -39,11 +37,7 @@ def test_local_rank_i_runs_on_the_ith_listed_device(clean_env, devices, local_ra
 
 
 def test_helpers_in_a_two_process_gloo_group(tmp_path):
-    worker = Path(__file__).parent / "workers" / "dist_worker.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{dist.DEVICES_ENV: "cpu"})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch_2_ranks(Path(__file__).parent / "workers" / "dist_worker.py", tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, got in enumerate(ranks):
         assert got["before_init"] == dict(rank=r, world_size=2, device="cpu")

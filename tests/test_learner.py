@@ -67,3 +67,40 @@ def test_to_ddp_in_a_notebook_names_bad_devices_before_starting_anything(learn, 
     with pytest.raises(ValueError) as raised:
         learn.to_ddp(**kwargs)
     assert str(raised.value) == message and "ddp" not in vars(learn)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(nprocs=2, timeout=0), "to_ddp(timeout=0): timeout is the seconds a rank may wait for the others, "
+                                "a number > 0 (default 600)"),
+    (dict(nprocs=2, timeout=-5), "to_ddp(timeout=-5): timeout is the seconds"),
+    (dict(nprocs=2, timeout="60"), "to_ddp(timeout='60'): timeout is the seconds"),
+    (dict(nprocs=2, lr_find_mode="bogus"), "to_ddp(lr_find_mode='bogus'): use 'solo' (rank 0 sweeps alone) or "
+                                           "'distributed' (all ranks sweep with the global batch)"),
+    (dict(nprocs=True), "to_ddp(nprocs=True): nprocs is the number of CPU processes, a whole number >= 1"),
+    (dict(gpus=[True]), "to_ddp(gpus=[True]): gpus is a list of GPU indices")])
+def test_to_ddp_names_bad_options_before_starting_anything(learn, kwargs, message):
+    with pytest.raises(ValueError) as raised:
+        learn.to_ddp(**kwargs)
+    assert str(raised.value).startswith(message) and "ddp" not in vars(learn)
+
+
+def test_a_launched_learners_save_replaces_its_file_only_once_whole(learn, monkeypatch):
+    monkeypatch.setattr(ddipp.dist, "launched", lambda: True)
+    monkeypatch.setattr(ddipp.dist, "init", lambda: True)
+    learn.to_ddp()
+    path = learn.save("best", return_path=True)
+    before = torch.load(path)["weight"].clone()
+    with torch.no_grad():
+        learn.model.weight.add_(1)
+
+    def crash(obj, f):
+        f.write(b"half a model")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        learn.save("best")
+    monkeypatch.undo()
+    assert torch.equal(torch.load(path)["weight"], before)  # fastai's own save leaves 12 bytes here
+    assert sorted(p.name for p in path.parent.iterdir()) == ["best.pth"]
+    learn.from_ddp()
+    assert "save" not in vars(learn)

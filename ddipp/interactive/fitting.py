@@ -14,7 +14,8 @@ from fastai.basic_train import Learner
 from fastai.callback import Callback
 
 from .progress import ProgressRelay, relayed_output
-from .shipping import data_objects, dumps, learner_objects, loaders, loads, move_optimizer_state
+from .shipping import (data_objects, dumps, learner_objects, loaders, loads, move_optimizer_state,
+                       unpicklable_path)
 
 
 def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
@@ -23,8 +24,13 @@ def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> 
     It carries a seed drawn from the notebook's torch generator: a notebook that seeds torch gets the same
     shuffles, dropout and augmentations on the workers run after run, as a local fit would."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
-    return dumps(dict(learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks, seed=seed),
-                 objects=data_objects(learn.data), learner=learn)
+    call = dict(learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks, seed=seed)
+    try:
+        return dumps(call, objects=data_objects(learn.data), learner=learn)
+    except Exception as e:
+        path = unpicklable_path(dict(learn=learn, callbacks=callbacks), {**data_objects(learn.data), "learn": learn})
+        raise TypeError(f"ddipp sends the learner to its worker processes, and {path} cannot be pickled ({e}); "
+                        f"set it to None or delete it before the fit, or make its class picklable") from e
 
 
 def place_data(data: DataBunch, device: torch.device) -> DataBunch:

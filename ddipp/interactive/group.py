@@ -2,11 +2,13 @@
 
 Workers are fresh interpreters (never a fork of the kernel, so a kernel that already used CUDA is fine),
 each in its own session so that a terminal's Ctrl-C reaches the notebook only, which then stops them all.
-The notebook hosts the rendezvous store; each worker talks to it over a private socket. Any failure —
+The notebook hosts the rendezvous store, on loopback and only until every worker has joined; each worker talks
+to the notebook over a private socket. Any failure —
 an exception on a rank, a rank that died, an interrupt — stops the whole group; the next fit starts a new
 one, and the notebook's learner keeps the weights it had before the failed fit.
 """
 import atexit
+import gc
 import os
 import shutil
 import signal
@@ -25,11 +27,14 @@ import cloudpickle
 import torch.distributed as dist
 
 from .. import dist as ddist
+from ..files import owned_dir_prefix, sweep_stale_dirs
 from .progress import ProgressMirror
 from .shipping import digest, dumps
 from .worker import CONNECTION_FD_ENV
 
 START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
+LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
+PEER_GRACE = 5  # seconds to wait for the rank that failed first, once another rank reported the echo of it
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -52,9 +57,9 @@ class WorkerGroup:
         self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
         self.data_digest = None
         self.last_sent = {}  # bytes the last fit sent: "data", "call" (to all ranks) and "results" (back)
-        self.logs = Path(tempfile.mkdtemp(prefix="ddipp-workers-"))
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=START_TIMEOUT))
+        sweep_stale_dirs(Path(tempfile.gettempdir()), LOGS_KIND)  # left by notebooks that were killed
+        self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
+        self.store = _loopback_store()
         self.procs: List[subprocess.Popen] = []
         self.conns: List[Connection] = []
         started = time.monotonic()
@@ -63,6 +68,7 @@ class WorkerGroup:
             for rank in range(len(devices)):
                 self._spawn(rank)
             self._collect("ready", deadline=started + START_TIMEOUT)
+            self.store = None  # every rank joined: nothing listens for the group any more
         except BaseException:
             print(" failed", flush=True)
             self.kill()
@@ -81,7 +87,8 @@ class WorkerGroup:
                    TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
                    PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
                    **{ddist.DEVICES_ENV: "cpu" if cpu else ",".join(d.split(":")[1] for d in self.devices),
-                      ddist.TIMEOUT_ENV: str(self.timeout), CONNECTION_FD_ENV: str(theirs.fileno())})
+                      ddist.TIMEOUT_ENV: str(self.timeout), CONNECTION_FD_ENV: str(theirs.fileno())},
+                   **ddist.loopback_env())
         if cpu:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.devices)))
         with open(self.logs / f"rank{rank}.log", "wb") as log:
@@ -127,11 +134,13 @@ class WorkerGroup:
         return (len(blob) + sum(sizes)) * len(self.conns)
 
     def _collect(self, expected: str, on_event=None, deadline: Optional[float] = None) -> Dict[int, Any]:
-        """Serve the workers' messages until every rank sent `expected`; raise for the first rank that fails."""
-        pending, results = dict(zip(self.conns, range(len(self.conns)))), {}
+        """Serve the workers' messages until every rank sent `expected`; raise the error of the rank that failed.
+
+        A rank whose collective failed because another rank failed is not the one to blame: its error is raised
+        only when no other rank's error or death shows within PEER_GRACE seconds."""
+        pending, results, echoes, echo_deadline = dict(zip(self.conns, range(len(self.conns)))), {}, {}, None
         while pending:
-            ready = wait(list(pending), timeout=1.0)
-            for conn in ready:
+            for conn in wait(list(pending), timeout=1.0):
                 rank = pending[conn]
                 try:
                     kind, *args = conn.recv()
@@ -141,7 +150,12 @@ class WorkerGroup:
                     results[rank] = args[0]
                     del pending[conn]
                 elif kind == "error":
-                    raise _remote_error(rank, *args)
+                    error = _remote_error(rank, *args)
+                    if not ddist.peer_failure(error):
+                        raise error
+                    echoes[rank] = error
+                    del pending[conn]
+                    echo_deadline = echo_deadline or time.monotonic() + PEER_GRACE
                 elif kind == "out":
                     (sys.stderr if args[0] == "stderr" else sys.stdout).write(args[1])
                 else:
@@ -149,9 +163,13 @@ class WorkerGroup:
             for rank, proc in enumerate(self.procs):
                 if proc.poll() is not None:
                     raise self._death(rank)
+            if echo_deadline is not None and time.monotonic() > echo_deadline:
+                break
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerError(f"ddipp workers did not start within {START_TIMEOUT} s; "
                                   f"{self._log_tail(min(pending.values()))}")
+        if echoes:
+            raise echoes[min(echoes)]
         return results
 
     def _death(self, rank: int) -> WorkerError:
@@ -196,10 +214,23 @@ class WorkerGroup:
             proc.wait()
         for conn in self.conns:
             conn.close()
-        self.procs, self.conns, self.data_digest = [], [], None
+        self.procs, self.conns, self.data_digest, self.store = [], [], None, None
         if _groups.get(self.devices) is self:
             del _groups[self.devices]
         shutil.rmtree(self.logs, ignore_errors=True)
+
+
+def _loopback_store() -> dist.TCPStore:
+    """The rendezvous store of a new group, listening on 127.0.0.1 only at a port the OS picks.
+
+    torch's TCPStore listens on every interface whatever host it is given, so it gets a socket bound here."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        fd = listener.detach()  # the store owns it from here, and closes it when released
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                         timeout=timedelta(seconds=START_TIMEOUT))
 
 
 def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) -> BaseException:
@@ -219,12 +250,18 @@ _groups: Dict[Tuple[str, ...], WorkerGroup] = {}
 
 
 def group_for(devices: Tuple[str, ...], timeout: float) -> WorkerGroup:
-    """The running group on `devices`, started (or restarted with the new timeout) when needed."""
+    """The running group on `devices`, started (or restarted with the new timeout) when needed; a group that no
+    learner uses any more is stopped first if it holds one of these devices."""
     group = _groups.get(devices)
     if group is not None and (not group.alive or group.timeout != timeout):
         group.stop()
         group = None
     if group is None:
+        overlapping = [g for g in _groups.values() if set(g.devices) & set(devices)]
+        if overlapping:
+            gc.collect()  # a dropped learner may wait in a reference cycle
+        for idle in [g for g in overlapping if not g.learners]:
+            idle.stop()  # no learner uses it any more (dropped without from_ddp): free its devices
         group = _groups[devices] = WorkerGroup(devices, timeout)
     return group
 

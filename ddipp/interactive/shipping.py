@@ -121,6 +121,33 @@ def dumps(obj: Any, objects: Dict[Hashable, Any] = None, learner: Learner = None
     return file.getvalue()
 
 
+def unpicklable_path(named: Dict[str, Any], objects: Dict[Hashable, Any]) -> str:
+    """The path (e.g. "learn.callbacks[2].lock") of the innermost part of the `named` objects that `dumps` cannot
+    pickle. Each attribute, item or value is tried alone, with the values of `objects` as references (a callback's
+    weak reference to the learner does not pickle the learner again); the search follows the first that fails."""
+    path, parts = "", list(named.items())
+    for _ in range(100):  # deeper than any learner; a bound on cycles
+        for name, part in parts:
+            try:
+                dumps(part, {key: o for key, o in objects.items() if o is not part})
+            except Exception:
+                path, parts = path + name, _parts(part)
+                break
+        else:
+            return path
+    return path
+
+
+def _parts(obj: Any) -> list:
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    if isinstance(obj, Learner):
+        return [(f".{k}", v) for k, v in travelling_state(obj).items()]
+    return [(f".{k}", v) for k, v in getattr(obj, "__dict__", {}).items()]
+
+
 def loads(blob: bytes, objects: Dict[Hashable, Any] = None, device: torch.device = torch.device("cpu"),
           buffers=None) -> Any:
     """Unpickle what `dumps` wrote: references resolve to the values of `objects`, CUDA tensors go to `device`."""

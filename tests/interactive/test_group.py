@@ -3,20 +3,26 @@
 Each failure must surface here within seconds, leave the learner with its weights from before the fit,
 leave no process behind, and let the next fit run on a new group."""
 import gc
+import ipaddress
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from functools import partial
+from pathlib import Path
 
 import psutil
 import pytest
 from fastai.basic_train import LearnerCallback
+from fastai.callbacks import SaveModelCallback
 
 import ddipp
-from ddipp.interactive.group import WorkerError, _groups
+from ddipp.interactive.group import WorkerError, _groups, _loopback_store
 from scenario import digits_data, digits_learner, max_diff, params
 
 CPU2 = ("cpu", "cpu")
@@ -77,6 +83,91 @@ def test_an_exception_on_one_rank_raises_here_with_its_type_rank_and_traceback(t
     assert len(learn.recorder.val_losses) == 1
 
 
+class FailOnRank1InSweep(LearnerCallback):
+    def on_batch_end(self, iteration, train, **kwargs):
+        if iteration == 5 and ddipp.rank() == 1:
+            raise ValueError("rank 1 fails on purpose")
+
+
+@pytest.mark.parametrize("story", ["save_model_on_improvement", "distributed_lr_find"])
+def test_an_exception_surfaces_as_itself_long_before_the_timeout_whatever_the_callbacks(tmp_path, story):
+    """fastai's on_train_end runs after the exception: SaveModelCallback and LRFinder then load a file behind a
+    barrier, which waited for the timeout while the other rank sat in the step's all-reduce."""
+    learn = digits_learner(digits_data(tmp_path, bs=16))
+    if story == "save_model_on_improvement":
+        learn.to_ddp(nprocs=2, timeout=60)
+        learn.callback_fns.append(partial(SaveModelCallback, every="improvement", name="best"))
+        learn.fit(1, 1e-2)  # writes models/best.pth, which the failed fit's on_train_end then loads
+        error, took, kept = _failing_fit(learn, FailOnRank1, ValueError)
+    else:
+        learn.to_ddp(nprocs=2, timeout=60, lr_find_mode="distributed")
+        before = params(learn)
+        learn.callback_fns.append(FailOnRank1InSweep)
+        started = time.monotonic()
+        with pytest.raises(ValueError) as raised:
+            learn.lr_find(num_it=40)
+        error, took, kept = raised.value, time.monotonic() - started, max_diff(params(learn), before) == 0
+    assert str(error) == "rank 1 fails on purpose" and "raised on rank 1" in error.__notes__[-1]
+    assert took < 10 and kept, took
+    assert _no_workers_left()
+
+
+def test_nothing_of_a_group_listens_beyond_loopback_and_the_store_goes_once_all_joined(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    learn.fit(1, 1e-2)
+    me = psutil.Process()
+    listening = {p.pid: _listening(p) for p in [me, *me.children(recursive=True)]}
+    assert listening[me.pid] == []  # the rendezvous store is gone
+    assert all(len(addresses) >= 1 for pid, addresses in listening.items() if pid != me.pid)  # gloo's listeners
+    for pid, addresses in listening.items():
+        assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in addresses), (pid, addresses)
+    _refused_from_outside([port for addresses in listening.values() for _, port in addresses])
+
+
+def test_the_rendezvous_store_listens_on_loopback_only():
+    store = _loopback_store()
+    [(ip, port)] = _listening(psutil.Process())
+    assert ipaddress.ip_address(ip).is_loopback and port == store.port
+    _refused_from_outside([port])
+    del store
+    assert _listening(psutil.Process()) == []
+
+
+def _listening(proc: psutil.Process) -> list:
+    """(address, port) of every TCP socket `proc` listens on."""
+    return [c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+
+def _refused_from_outside(ports: list) -> None:
+    """Connecting to `ports` through this host's non-loopback address fails (skips if it has none)."""
+    outside = [a.address for addresses in psutil.net_if_addrs().values() for a in addresses
+               if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback]
+    if not outside:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    for port in ports:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((outside[0], port), timeout=5).close()
+
+
+def test_a_batch_larger_than_a_ranks_share_is_refused_naming_the_sizes(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=32, n_valid=1757)).to_ddp(nprocs=2)  # 40 training items
+    with pytest.raises(ValueError) as raised:
+        learn.fit(1, 1e-2)
+    assert str(raised.value) == ("the per-process batch size 32 is larger than a rank's share of the training set "
+                                 "(40 items / 2 ranks = 20) and drop_last leaves no batch: use bs <= 20 (each rank "
+                                 "takes bs items a step; the global batch is bs x 2)")
+
+
+def test_a_group_no_learner_uses_stops_when_another_needs_its_devices(tmp_path):
+    gc.collect()
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    dropped = _groups[CPU2]
+    del learn  # without from_ddp
+    single = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=1)
+    assert not dropped.procs and CPU2 not in _groups and len(_groups[("cpu",)].procs) == 1
+    single.from_ddp()
+
+
 def test_a_rank_that_dies_raises_a_worker_error_naming_it(tmp_path):
     learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
     error, took, kept = _failing_fit(learn, DieOnRank1, WorkerError)
@@ -103,8 +194,10 @@ def test_from_ddp_stops_the_group_once_no_learner_uses_it_and_shutdown_stops_all
     other.from_ddp()
     assert not group.procs and CPU2 not in _groups and _no_workers_left()
     other.to_ddp(nprocs=2)
+    logs = _groups[CPU2].logs
+    assert logs.parent == Path(tempfile.gettempdir()) and logs.is_dir()
     ddipp.shutdown()
-    assert not _groups and _no_workers_left()
+    assert not _groups and _no_workers_left() and not logs.exists()
 
 
 def _reader(proc):

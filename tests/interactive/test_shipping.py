@@ -1,10 +1,14 @@
 """Pickling between the notebook and its workers: references, weak references, tensors, digests."""
 import gc
+import threading
 
 import pytest
 import torch
 from torch import nn
 
+from fastai.basic_train import LearnerCallback
+
+from ddipp.interactive.fitting import fit_call
 from ddipp.interactive.shipping import data_objects, digest, dumps, learner_objects, loads
 from scenario import digits_data, digits_learner
 
@@ -78,3 +82,21 @@ def test_classes_with_a_metaclass_forwarding_attributes_travel_as_classes():
     import enum
     from fastai.basic_data import DatasetType  # EnumMeta has a __getattr__ on Python 3.11
     assert loads(dumps([DatasetType, DatasetType.Valid, enum.Enum])) == [DatasetType, DatasetType.Valid, enum.Enum]
+
+
+class HoldsALock(LearnerCallback):
+    def __init__(self, learn):
+        super().__init__(learn)
+        self.lock = threading.Lock()
+
+
+def test_an_unpicklable_attribute_is_named_by_its_path(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16))
+    learn.callbacks += [HoldsALock(learn)]
+    learn.callbacks[0].lock = None  # an attribute of the same name elsewhere that does pickle
+    learn.callbacks += [HoldsALock(learn)]
+    with pytest.raises(TypeError) as raised:
+        fit_call(learn, 1, 1e-2, None, [])
+    assert str(raised.value) == ("ddipp sends the learner to its worker processes, and learn.callbacks[1].lock cannot "
+                                 "be pickled (cannot pickle '_thread.lock' object); set it to None or delete it "
+                                 "before the fit, or make its class picklable")

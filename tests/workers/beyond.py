@@ -201,7 +201,7 @@ def resume_story(path, name_prefix=""):
         learn.fit_one_cycle(4, 1e-2)
     except KeyboardInterrupt:
         ddipp.barrier()  # rank 0 may still be writing the checkpoint of epoch 2
-    res["saved_epoch"] = torch.load(learn.path / learn.model_dir / f"{name_prefix}cut.pth", weights_only=False)["epoch"]
+    res["saved_epoch"] = torch.load(learn.path / learn.model_dir / f"{name_prefix}cut.pth", weights_only=True)["epoch"]
     learn = ckpt_learner(path, seed=1)  # other weights and other random draws than the interrupted fit
     torch.manual_seed(99)
     learn.callback_fns.append(partial(ddipp.Checkpoint, name=f"{name_prefix}cut"))

@@ -1,0 +1,79 @@
+"""Files ddipp writes: replaced atomically (a crash leaves the previous file whole), and what dead processes left, swept.
+
+A file being written is `.NAME.PID.tmp` beside its target until it is complete; a folder of a process's own is
+named with its PID. Either is removed by a later process once that PID is gone.
+"""
+import glob
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import torch
+
+
+def pid_alive(pid: int) -> bool:
+    """True while a process with this PID exists (a zombie included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[BinaryIO]:
+    """A file to write `path`'s new content to; when the block ends without error it replaces `path` atomically.
+
+    The data and the rename are fsynced, so after a crash `path` holds the old content or the new, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_tmp(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_atomic(obj, path: Path) -> None:
+    """torch.save `obj` to `path` through `replacing`: `path` is either the old file or the new."""
+    with replacing(path) as f:
+        torch.save(obj, f)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_tmp(path: Path) -> None:
+    """Remove the temporary files of `path` left by processes killed while writing it."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:-len(".tmp")]
+        if pid.isdecimal() and not pid_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def owned_dir_prefix(kind: str) -> str:
+    """The name prefix of a folder this process owns (for tempfile.mkdtemp); `sweep_stale_dirs(kind)` finds it."""
+    return f"{kind}-{os.getpid()}-"
+
+
+def sweep_stale_dirs(parent: Path, kind: str) -> None:
+    """Remove the folders named by `owned_dir_prefix(kind)` in `parent` whose process is gone."""
+    for folder in parent.glob(f"{kind}-*-*"):
+        match = re.fullmatch(rf"{re.escape(kind)}-(\d+)-.*", folder.name)
+        if match and folder.is_dir() and not pid_alive(int(match[1])):
+            shutil.rmtree(folder, ignore_errors=True)
