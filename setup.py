@@ -18,6 +18,8 @@ setup(
         "fastprogress==1.0.5",   # 1.1.x pulls a web-server stack and imports 10x slower; same bars for fastai v1
         "spacy>=3,<4",           # fastai.text and fastai.distributed import spacy; fastai's metadata omits it on py>=3.8
         "cloudpickle>=3",        # ships notebook-defined functions and classes to the workers
+        "ipywidgets",            # `from fastai.widgets import *` (ImageCleaner, lesson 2); fastai's metadata omits it
+        "nbconvert",             # fastai.gen_doc (doc(), show_doc) imports it; fastai's metadata omits it
     ],
     extras_require={
         "test": ["pytest", "nbclient", "ipykernel", "nbformat", "scikit-learn", "psutil"],

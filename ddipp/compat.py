@@ -3,18 +3,28 @@
 Each fix checks that the old behaviour is really gone before it changes anything, says what breaks
 and why, and is applied once by `apply()` (called on `import ddipp`). The README lists them.
 """
+import contextlib
+import gc
+import importlib.util
+import io
+import os
 import re
 import sys
+from collections.abc import Sized
+from functools import partial
 from pathlib import Path
+from warnings import warn
 
 import numpy as np
 import pandas as pd
 import spacy
 import torch
+from fastprogress.fastprogress import ConsoleMasterBar, ConsoleProgressBar
 
 import fastai.basic_data
 import fastai.basic_train
 import fastai.core
+import fastai.data_block
 import fastai.tabular.transform
 import fastai.text.data
 import fastai.text.transform
@@ -22,7 +32,9 @@ import fastai.train  # noqa: F401  (adds fit_one_cycle, lr_find, to_fp16 to Lear
 import fastai.vision.transform
 from fastai.basic_data import data_collate, distrib_barrier, is_pathlike
 from fastai.basic_train import LabelLists, load_callback
-from fastai.core import defaults, ifnone
+from fastai.callback import OptimWrapper
+from fastai.core import defaults, get_tmp_file, ifnone
+from fastai.text.models.awd_lstm import dropout_mask
 
 _TORCH_LOADS_WEIGHTS_ONLY = torch.__version__ >= (2, 6)   # torch.load(weights_only=True) became the default
 _NUMPY_REJECTS_RAGGED = np.lib.NumpyVersion(np.__version__) >= "1.24.0"
@@ -42,6 +54,8 @@ def apply() -> None:
         _allow_numpy_scalars_in_weights_only_load()
         _rebody(fastai.basic_train.load_learner, _load_learner)
         _rebody(fastai.basic_data.load_data, _load_data)
+        _rebody(fastai.data_block.LabelLists.load_empty.__func__, _label_lists_load_empty)
+        _rebody(fastai.basic_train.Learner.purge, _purge)
     if _torch_solve_removed():
         fastai.vision.transform._solve_func = _solve
     if _PANDAS_2:
@@ -55,6 +69,11 @@ def apply() -> None:
     if _NUMPY_REJECTS_RAGGED:
         _replace_in_fastai_modules(fastai.core.array, _array)
         fastai.text.data.SortishSampler.__iter__ = _sortish_iter
+    if _inplace_on_a_chunk_fails():
+        _when_imported("fastai.text.models.qrnn", _fix_qrnn)
+    _restore_ipython_display()
+    if _row_follows_a_cut_bar():
+        ConsoleMasterBar.write = _write_on_a_fresh_line
 
 
 def _rebody(old, new) -> None:
@@ -63,6 +82,34 @@ def _rebody(old, new) -> None:
     `new` runs with `old`'s module globals: it may only use names that module defines (compat imports
     the same names, so `new` reads as ordinary code here)."""
     old.__code__ = new.__code__
+
+
+def _when_imported(name, patch) -> None:
+    """Call `patch(module)` once module `name` is imported: now if it is, else right after its import runs."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _PatchAfterImport(name, patch))
+
+
+class _PatchAfterImport:
+    """Import finder for one module (too costly to import eagerly) that patches it right after it ran."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        run = spec.loader.exec_module
+
+        def run_and_patch(module):
+            run(module)
+            self.patch(module)
+        spec.loader.exec_module = run_and_patch
+        return spec
 
 
 def _replace_in_fastai_modules(old, new) -> None:
@@ -113,6 +160,44 @@ def _load_data(path, file="data_save.pkl", bs=64, val_bs=None, num_workers=defau
     ll = torch.load(source, map_location=map_location, weights_only=False)
     return ll.databunch(path=path, bs=bs, val_bs=val_bs, num_workers=num_workers, dl_tfms=dl_tfms, device=device,
                         collate_fn=collate_fn, no_check=no_check, **kwargs)
+
+
+# LabelLists.load_empty (hence DataBunch.load_empty, fastai's way to rebuild data for inference) reads the
+# state `export` wrote: classes, processors, transforms. Same trust as load_learner.
+def _label_lists_load_empty(cls, path, fn="export.pkl"):
+    "Create a `LabelLists` with empty sets from the serialized file in `path/fn` (a full pickle: trusted files only)."
+    path = Path(path)
+    return LabelLists.load_state(path, torch.load(path/fn, weights_only=False))
+
+
+# Learner.purge (and Learner.load(purge=True)) pickles the learner's attributes to a temporary file and reads
+# them back at once: the file is its own, so it loads with weights_only=False.
+def _purge(self, clear_opt=True):
+    "Purge the `Learner` of all cached attributes to release some GPU memory."
+    self._test_writeable_path()
+    attrs_all = [k for k in self.__dict__.keys() if not k.startswith("__")]
+    attrs_pkl = ["bn_wd", "callback_fns", "layer_groups", "loss_func", "metrics", "model",
+                 "model_dir", "opt_func", "path", "train_bn", "true_wd", "wd"]
+    attrs_keep = ["data", "recorder"]
+    attrs_del = list(set(attrs_all) - set(attrs_keep))
+    state = {a: getattr(self, a) for a in attrs_pkl}
+    state["cb_state"] = {cb.__class__: cb.get_state() for cb in self.callbacks}
+    if hasattr(self, "opt"): state["opt"] = self.opt.get_state()
+    tmp_file = get_tmp_file(self.path/self.model_dir)
+    torch.save(state, tmp_file)
+    for a in attrs_del: delattr(self, a)
+    gc.collect()
+    state = torch.load(tmp_file, weights_only=False)
+    os.remove(tmp_file)
+    for a in attrs_pkl: setattr(self, a, state[a])
+    cb_state = state.pop("cb_state")
+    self.callbacks = [load_callback(c, s, self) for c, s in cb_state.items()]
+    if not clear_opt and "opt" in state:
+        try: self.opt = OptimWrapper.load_with_state_and_layer_group(state["opt"], self.layer_groups)
+        except Exception: warn("Wasn't able to properly load the optimizer state again.")
+    del state
+    gc.collect()
+    return self
 
 
 # --- torch.solve was removed (it now raises) ---------------------------------------------------------
@@ -195,6 +280,8 @@ _fastai_array = fastai.core.array
 
 def _array(a, dtype=None, **kwargs):
     "Same as `np.array` but also handles generators and ragged sequences (as a 1-d object array)."
+    if not isinstance(a, Sized) and not getattr(a, "__array_interface__", False):
+        a = list(a)  # once, here: a generator (MultiCategoryList's csv.reader) is empty at the second attempt
     try:
         return _fastai_array(a, dtype=dtype, **kwargs)
     except ValueError:
@@ -225,3 +312,85 @@ def _sortish_iter(self):
     first, rest = sortish_chunks(self)
     rest = [rest[i] for i in np.random.permutation(len(rest))]
     return iter(np.concatenate([first, *rest]).astype(np.int64))
+
+
+# --- torch 2: autograd refuses in-place ops on the views `chunk` returns -------------------------------
+# QRNNLayer.forward (AWD_LSTM(qrnn=True)) calls tanh_()/sigmoid_() on chunks of one matmul's output: every
+# forward pass raises "Output 0 of SplitBackward0 is a view and is being modified inplace". fastai imports
+# its qrnn module only for a QRNN (it compiles CUDA kernels where CUDA is present), so it is patched when
+# imported.
+def _inplace_on_a_chunk_fails() -> bool:
+    y = torch.zeros(1, 2, requires_grad=True) * 1
+    try:
+        y.chunk(2, dim=1)[0].tanh_()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _fix_qrnn(qrnn) -> None:
+    _rebody(qrnn.QRNNLayer.forward, _qrnn_layer_forward)
+    qrnn.dropout_mask = dropout_mask  # fastai's qrnn never imported it: QRNN(zoneout=...) raised NameError
+
+
+# QRNNLayer.forward with tanh()/sigmoid() out of place. It runs with fastai.text.models.qrnn's globals (see
+# _rebody): the forget-mult functions below are that module's.
+def _qrnn_layer_forward(self, inp, hid=None):
+    y = self.linear(self._get_source(inp))
+    if self.output_gate: z_gate, f_gate, o_gate = y.chunk(3, dim=2)
+    else: z_gate, f_gate = y.chunk(2, dim=2)
+    z_gate, f_gate = z_gate.tanh(), f_gate.sigmoid()
+    if self.zoneout and self.training:
+        mask = dropout_mask(f_gate, f_gate.size(), self.zoneout).requires_grad_(False)
+        f_gate = f_gate * mask
+    z_gate, f_gate = z_gate.contiguous(), f_gate.contiguous()
+    if self.backward:
+        forget_mult = dispatch_cuda(BwdForgetMultGPU, partial(forget_mult_CPU, backward=True), inp)  # noqa: F821
+    else:
+        forget_mult = dispatch_cuda(ForgetMultGPU, forget_mult_CPU, inp)  # noqa: F821
+    c_gate = forget_mult(z_gate, f_gate, hid, self.batch_first)
+    output = torch.sigmoid(o_gate) * c_gate if self.output_gate else c_gate
+    if self.window > 1 and self.save_prev_x:
+        if self.backward: self.prevX = (inp[:, :1] if self.batch_first else inp[:1]).detach()
+        else: self.prevX = (inp[:, -1:] if self.batch_first else inp[-1:]).detach()
+    idx = 0 if self.backward else -1
+    return output, (c_gate[:, idx] if self.batch_first else c_gate[idx])
+
+
+# --- IPython 9 removed IPython.core.display.display ---------------------------------------------------------
+# fastai.gen_doc imports it from there, so `doc()` and `show_doc` (course notebooks) and fastai's own test
+# conftest fail to import. It lives in IPython.core.display_functions since IPython 7.23.
+def _restore_ipython_display() -> None:
+    try:
+        import IPython.core.display as display_module
+        from IPython.core.display_functions import display
+    except ImportError:
+        return
+    if not hasattr(display_module, "display"):
+        display_module.display = display
+
+
+# --- fastprogress 1.0.5 console: a results row after an epoch cut short is appended to its bar's line ------
+# An epoch stopped early (StopAfterNBatches, a callback's stop_epoch) leaves its bar unfinished, so the bar is
+# never cleared and fastai's results row follows it on the same line. Clear it first, as a finished bar is.
+def _row_follows_a_cut_bar() -> bool:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        master = ConsoleMasterBar(range(1))
+        for _ in master:
+            for _ in ConsoleProgressBar(range(2), parent=master):
+                break
+            master.write("row")
+    return re.search(r"[\r\n]row", out.getvalue()) is None
+
+
+_console_write = ConsoleMasterBar.write
+
+
+def _write_on_a_fresh_line(self, line, table=False):
+    "`ConsoleMasterBar.write`, first clearing the line of the current bar if its epoch was cut short."
+    child = getattr(self, "child", None)
+    if child is not None and child.last_v is not None:
+        child.on_iter_end()
+        child.last_v = None
+    _console_write(self, line, table)

@@ -1,12 +1,17 @@
 """Each fastai 1.0.61 fix in ddipp.compat, exercised the way a course-v3 user hits it (single process)."""
+import contextlib
+import csv
+import functools
 import io
 import pickle
-import functools
+import re
+import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from torch import nn
 
 import ddipp  # noqa: F401  (applies the fixes)
 import ddipp.compat
@@ -15,9 +20,11 @@ import fastai.text.data
 from fastai.collab import CollabDataBunch, collab_learner
 from fastai.tabular import (Categorify, FillMissing, Normalize, TabularList, add_datepart, tabular_learner)
 from fastai.text import (AWD_LSTM, TextClasDataBunch, TextLMDataBunch, Tokenizer, language_model_learner)
-from fastai.vision import (ImageDataBunch, Learner, accuracy, get_transforms, load_learner, open_image,
-                           simple_cnn)
+from fastai.vision import (ImageDataBunch, ImageList, Learner, accuracy, accuracy_thresh, get_transforms,
+                           load_learner, open_image, simple_cnn)
 from fastai.basic_data import load_data
+from fastai.callbacks.misc import StopAfterNBatches
+from fastai.data_block import LabelLists
 
 
 def _digits_learner(path, **kwargs):
@@ -32,6 +39,12 @@ def _params(learn):
 
 def test_every_fastai_application_imports():
     import fastai.collab, fastai.distributed, fastai.tabular, fastai.text, fastai.vision  # noqa: F401,E401
+    from fastai.widgets import ImageCleaner  # noqa: F401  (lesson 2; needs ipywidgets)
+
+
+def test_doc_and_show_doc_import():
+    from fastai.gen_doc.nbdoc import doc, show_doc  # IPython 9 moved `display`; gen_doc imports it from the old place
+    assert callable(doc) and callable(show_doc)
 
 
 def test_apply_is_idempotent():
@@ -89,6 +102,62 @@ def test_save_and_load_data(digits_path):
     data.save("data.pkl")
     loaded = load_data(digits_path, "data.pkl", bs=64, num_workers=0)
     assert list(loaded.valid_ds.x.items) == list(data.valid_ds.x.items)
+
+
+def test_load_empty_rebuilds_the_exported_data(digits_path, tmp_path):
+    data = ImageDataBunch.from_folder(digits_path, size=32, bs=64, num_workers=0)
+    data.export(tmp_path / "export.pkl")
+    assert LabelLists.load_empty(tmp_path).train.y.classes == data.classes
+    empty = ImageDataBunch.load_empty(tmp_path)
+    assert empty.classes == data.classes and empty.train_ds.y.c == 10
+
+
+def test_purge_keeps_the_model_and_the_optimizer(digits_path):
+    learn = _digits_learner(digits_path)
+    learn.fit(1, 1e-2)
+    saved = _params(learn)
+    learn.purge(clear_opt=False)
+    assert all(torch.equal(a, b) for a, b in zip(saved, _params(learn)))
+    assert learn.opt is not None and learn.recorder.losses
+    learn.fit(1, 1e-3)
+
+
+def _planet_style_df(digits_path):
+    """Digit images tagged like the planet lesson: space-separated tags, one or two per image."""
+    def tags(d):
+        return " ".join(["even" if d % 2 == 0 else "odd"] + ["prime"] * (d in (2, 3, 5, 7)) + ["zero"] * (d == 0))
+    rows = [(str(f.relative_to(digits_path)), tags(int(f.parent.name)))
+            for f in sorted(digits_path.glob("*/*/*.png"))]
+    return pd.DataFrame(rows, columns=["name", "tags"])
+
+
+def test_multi_label_from_df_with_label_delim(digits_path):
+    df = _planet_style_df(digits_path)
+    data = (ImageList.from_df(df, digits_path, cols="name").split_by_rand_pct(0.2, seed=0)
+            .label_from_df("tags", label_delim=" ").databunch(bs=64, num_workers=0))
+    assert data.classes == ["even", "odd", "prime", "zero"]
+    for i in (0, 1, 2, 500):
+        assert sorted(data.train_ds.y[i].obj) == sorted(data.train_ds.inner_df.tags.iloc[i].split())
+    assert {len(y.obj) for y in data.train_ds.y} == {1, 2}
+    torch.manual_seed(0)
+    learn = Learner(data, nn.Sequential(simple_cnn((3, 16, 32, 32)), nn.Linear(32, 4)), metrics=accuracy_thresh)
+    learn.fit_one_cycle(5, 3e-2)
+    assert float(learn.recorder.metrics[-1][0]) > 0.85  # 0.92; 0.62 predicts no tag at all
+
+
+def test_array_reads_a_generator_of_ragged_rows_once():
+    rows = ddipp.compat._array(csv.reader(["a b", "c", "d e f"], delimiter=" "))
+    assert [list(r) for r in rows] == [["a", "b"], ["c"], ["d", "e", "f"]]
+
+
+def test_epoch_cut_short_prints_its_results_row_on_a_line_of_its_own(digits_path):
+    learn = _digits_learner(digits_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        learn.fit(2, 1e-3, callbacks=[StopAfterNBatches(n_batches=2)])
+    lines = re.sub(r"^.*\r", "", out.getvalue(), flags=re.M).splitlines()  # as a terminal shows it
+    assert lines[0].split() == ["epoch", "train_loss", "valid_loss", "accuracy", "time"]
+    assert lines[1].split()[0] == "0" and len(lines) == 2
 
 
 def test_default_transforms_warp_and_tta(digits_path):
@@ -164,3 +233,25 @@ def test_text_language_model_and_sortish_classifier_loader(tmp_path):
     assert sorted(order) == list(range(len(data_clas.train_ds)))
     lengths = [len(data_clas.train_ds.x.items[i]) for i in order[:16]]
     assert lengths[0] == max(len(t) for t in data_clas.train_ds.x.items)  # longest batch first, as in fastai
+
+
+def test_qrnn_forward_and_backward():
+    from fastai.text.models.qrnn import QRNN
+    torch.manual_seed(0)
+    model = AWD_LSTM(vocab_sz=50, emb_sz=8, n_hid=16, n_layers=2, pad_token=1, qrnn=True)
+    out, _ = model(torch.randint(0, 50, (4, 7)))
+    out[-1].sum().backward()
+    assert out[-1].shape == (4, 7, 8) and model.encoder.weight.grad is not None
+    qrnn = QRNN(8, 16, zoneout=0.5).train()  # zoneout: fastai's qrnn module never imported dropout_mask
+    assert qrnn(torch.randn(2, 5, 8))[0].shape == (2, 5, 16)
+
+
+def test_a_module_is_patched_when_imported(tmp_path, monkeypatch):
+    (tmp_path / "ddipp_probe.py").write_text("value = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ddipp.compat._when_imported("ddipp_probe", lambda module: setattr(module, "value", 2))
+    try:
+        import ddipp_probe
+        assert ddipp_probe.value == 2
+    finally:
+        sys.modules.pop("ddipp_probe", None)
