@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from fastai.basic_train import Learner, LearnerCallback
 from fastai.callback import SmoothenValue
-from fastai.callbacks import CSVLogger
+from fastai.callbacks import CSVLogger, OverSamplingCallback
+from fastai.train import AccumulateScheduler
 from fastai.text.data import pad_collate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -41,7 +42,7 @@ class DistributedCallback(LearnerCallback):
     def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None):
         super().__init__(learn)
         self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
-        self.distributed = self.fitting = False
+        self.distributed = self.fitting = self.stopping = False
         self.unmute = lambda: None
 
     def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
@@ -53,11 +54,13 @@ class DistributedCallback(LearnerCallback):
         sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, _broadcast_seed())
         if len(sharded) == 0:  # refused before anything changes
             raise ValueError(_no_batch(data.train_dl, self.world_size))
+        _check_callbacks(self.learn)
         if self.rank != 0:
             self.learn.recorder.silent = True
             hide_progress_bars()
             self.unmute = _csv_loggers_aside(self.learn)
         self.smoother = SmoothenValue(0.98)
+        self.summed_loss = getattr(self.learn.loss_func, "reduction", "mean") == "sum"
         self.model = self.learn.model
         self.learn.model = self._wrap(self.model)
         self.train_dl, self.valid_dl = data.train_dl, data.valid_dl
@@ -104,6 +107,8 @@ class DistributedCallback(LearnerCallback):
         return self.distributed and not train and self.eval_batches is not None
 
     def on_batch_begin(self, last_input, last_target, train: bool, **kwargs):
+        if self.stopping:
+            raise ddist.StopRequested("ddipp: the fit was interrupted; every rank stopped after the same step")
         changes = {}
         if self.distributed and self.padding:  # padded text: as long as the global batch, as one process pads it
             changes["last_input"] = pad_to_longest(last_input, *self.padding)
@@ -118,14 +123,19 @@ class DistributedCallback(LearnerCallback):
     def on_backward_begin(self, last_loss, **kwargs):
         if not self.distributed:
             return
-        loss = last_loss.detach().clone()
-        dist.all_reduce(loss)
-        self.smoother.add_value(loss.float().cpu() / self.world_size)
+        loss_and_stop = torch.stack([last_loss.detach().float(), last_loss.new_tensor(ddist.stop_requested()).float()])
+        dist.all_reduce(loss_and_stop)  # a stop asked on any rank reaches every rank at this same step
+        loss, stop = loss_and_stop.cpu()
+        self.global_loss = loss if self.summed_loss else loss / self.world_size  # the loss of the global batch
+        self.smoother.add_value(self.global_loss)
+        self.stopping = bool(stop)
         return {"smooth_loss": self.smoother.smooth}
 
-    def on_batch_end(self, train: bool, **kwargs) -> None:
+    def on_batch_end(self, train: bool, last_loss, **kwargs):
         if self._validating(train):
             self.valid_batch += 1
+        elif self.distributed and train:  # the loss of the global batch: decisions on it (TerminateOnNaN) agree
+            return {"last_loss": self.global_loss.to(last_loss.device, last_loss.dtype)}
 
     def on_train_end(self, exception, **kwargs) -> None:
         self.undistribute()
@@ -146,6 +156,21 @@ class DistributedCallback(LearnerCallback):
             if ddist.peer_failure(e):  # a rank failed at the very end
                 ddist.leave()
             raise
+
+
+def _check_callbacks(learn: Learner) -> None:
+    """ValueError for the fastai callbacks that cannot train as one process does under DDP, saying what to do."""
+    def used(cls) -> bool:
+        return any(getattr(f, "func", f) is cls for f in learn.callback_fns) or any(
+            isinstance(cb, cls) for cb in learn.callbacks)
+    reduction = getattr(learn.loss_func, "reduction", "sum")
+    if used(AccumulateScheduler) and reduction != "sum":  # it divides the gradients by this rank's samples
+        raise ValueError(f"AccumulateScheduler with a loss of reduction={reduction!r} would step with N times one "
+                         "process's gradient under DDP: use a loss with reduction='sum', as fastai advises for it")
+    if used(OverSamplingCallback):  # it replaces the sharded training loader with a draw of its own on every rank
+        raise ValueError("OverSamplingCallback would make every rank draw its own sample of the whole training set: "
+                         "give the training DataLoader a WeightedRandomSampler instead, which ddipp shards like any "
+                         "sampler (one draw, every rank its part)")
 
 
 def _no_batch(loader, world_size: int) -> str:

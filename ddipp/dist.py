@@ -128,6 +128,24 @@ def leave() -> None:
     os.environ["WORLD_SIZE"] = "1"
 
 
+class StopRequested(KeyboardInterrupt):
+    """Raised on every rank at the same step once `request_stop()` was called on one of them (a notebook's interrupt):
+    a KeyboardInterrupt, so fastai ends the fit as on Ctrl-C, with what was trained so far."""
+
+
+_stop_requested = False
+
+
+def request_stop(requested: bool = True) -> None:
+    """Ask this rank's fit to stop (DistributedCallback passes it on to every rank with the step's loss)."""
+    global _stop_requested
+    _stop_requested = requested
+
+
+def stop_requested() -> bool:
+    return _stop_requested
+
+
 def peer_failure(error: BaseException) -> bool:
     """True for the error a collective raises when another rank failed or left (not a problem of this rank)."""
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and any(

@@ -1,4 +1,5 @@
 """A notebook's learner bound to a worker group: its fits run on the group, their results land on it."""
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Tuple
@@ -53,5 +54,14 @@ def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = N
     binding = learn.ddp
     group = group_for(binding.devices, binding.timeout)
     group.learners[id(learn)] = learn
-    results, bar = group.fit(learn.data, fit_call(learn, epochs, lr, wd, listify(callbacks)), binding.options)
+    call = fit_call(learn, epochs, lr, wd, listify(callbacks))
+    try:
+        results, bar, interrupted = group.fit(learn.data, call, binding.options)
+    except BaseException:
+        print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
+        if not hasattr(learn, "recorder"):  # as after a local fit that failed: an empty recorder
+            learn.callback_fns[0](learn)
+        raise
     apply_results(learn, results, bar)
+    if interrupted:  # as Ctrl-C in a local fit: it stops, keeps what was trained, and the caller sees the interrupt
+        raise KeyboardInterrupt

@@ -4,8 +4,11 @@ The notebook's learner travels with everything but its data (which the workers a
 with ddipp's callbacks as in a launched script; rank 0 sends back what a local fit would have changed on the
 learner: weights, optimizer state, and the callbacks it attached (the recorder among them).
 """
+import copy
+import io
 import random
-from typing import Any, Callable, Optional
+import sys
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
@@ -13,6 +16,7 @@ from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner
 from fastai.callback import Callback
 
+from .. import dist as ddist
 from .progress import ProgressRelay, relayed_output
 from .shipping import (data_objects, dumps, learner_objects, loaders, loads, move_optimizer_state,
                        unpicklable_path)
@@ -42,8 +46,11 @@ def place_data(data: DataBunch, device: torch.device) -> DataBunch:
 
 
 def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
-            send: Optional[Callable[[tuple], None]]) -> Optional[bytes]:
-    """A worker's half: run the call under DDP; on rank 0 (the one given `send`) relay progress, return results."""
+            send: Optional[Callable[[tuple], None]]) -> Optional[List[bytes]]:
+    """A worker's half: run the call under DDP; on rank 0 (the one given `send`) relay progress, return results.
+
+    A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
+    local fit: what was trained so far comes back."""
     request = loads(call, data_objects(data), device)
     _seed(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
@@ -51,12 +58,58 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
     move_optimizer_state(learn)
     learn.to_ddp(**options)
     callbacks = request["callbacks"] + ([ProgressRelay(send)] if send else [])
-    with relayed_output(send):
-        learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks)
-    if send is None:
+    try:
+        with relayed_output(send):
+            learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks)
+    except ddist.StopRequested:
+        pass
+    return None if send is None else results(learn)
+
+
+def results(learn: Learner) -> List[bytes]:
+    """What a fit changed on the learner, in parts that come back one after the other: the weights and optimizer
+    state first, on their own; then the callbacks, together, or (if that fails) each alone and without what of it
+    cannot be pickled (a CSVLogger keeps its closed file): an unpicklable attribute never costs the weights."""
+    objects = learner_objects(learn)
+    parts = [dumps(dict(state=learn.model.state_dict(), opt=learn.opt), objects=objects)]
+    callbacks = dict(callbacks=learn.callbacks, attrs=_attached_callbacks(learn))
+    try:
+        return parts + [dumps(callbacks, objects=objects)]
+    except Exception:
+        pass
+    notes = []
+    for group, items in callbacks.items():
+        for key, callback in (enumerate(items) if group == "callbacks" else items.items()):
+            path = f"learn.callbacks[{key}]" if group == "callbacks" else f"learn.{key}"
+            parts.append(dumps((group, key, _travelling(callback, path, objects, notes)), objects=objects))
+    return parts + [dumps(("notes", notes))]
+
+
+def _travelling(callback: Callback, path: str, objects: dict, notes: list) -> Optional[Callback]:
+    """`callback`, or a copy without the attributes that cannot be pickled (None there), or None; `notes` says which."""
+    try:
+        dumps(callback, objects)
+        return callback
+    except Exception as e:
+        error = e
+    stripped = copy.copy(callback)
+    dropped = []
+    for name, value in vars(callback).items():
+        try:
+            dumps(value, objects)
+        except Exception:
+            setattr(stripped, name, None)
+            if not (isinstance(value, io.IOBase) and value.closed):  # a closed file holds nothing to lose
+                dropped.append(name)
+    try:
+        dumps(stripped, objects)
+    except Exception:
+        notes.append(f"{path} ({type(callback).__name__}) stayed on the workers: it cannot be pickled ({error})")
         return None
-    return dumps(dict(state=learn.model.state_dict(), opt=learn.opt, callbacks=learn.callbacks,
-                      attrs=_attached_callbacks(learn)), objects=learner_objects(learn))
+    if dropped:
+        notes.append(f"{path} ({type(callback).__name__}) came back with {', '.join(dropped)} set to None: "
+                     f"{'it' if len(dropped) == 1 else 'they'} cannot be pickled ({error})")
+    return stripped
 
 
 def _seed(seed: int) -> None:
@@ -71,11 +124,22 @@ def _attached_callbacks(learn: Learner) -> dict:
             if isinstance(value, Callback) and not type(value).__module__.startswith("ddipp.")}
 
 
-def apply_results(learn: Learner, results: bytes, bar: Any) -> None:
+def apply_results(learn: Learner, parts: List[bytes], bar: Any) -> None:
     """The notebook's half again: leave `learn` as the fit on rank 0 left its copy."""
-    got = loads(results, {**learner_objects(learn), "bar": bar}, learn.data.device)
+    objects = {**learner_objects(learn), "bar": bar}
+    got = loads(parts[0], objects, learn.data.device)
     learn.model.load_state_dict(got["state"])
-    learn.opt, learn.callbacks = got["opt"], got["callbacks"]
+    learn.opt = got["opt"]
     move_optimizer_state(learn)
-    for name, callback in got["attrs"].items():
+    got = [loads(part, objects, learn.data.device) for part in parts[1:]]
+    if len(got) == 1:
+        learn.callbacks = got[0]["callbacks"]
+        attrs = got[0]["attrs"]
+    else:
+        *each, (_, notes) = got
+        learn.callbacks = [cb for group, _, cb in each if group == "callbacks" and cb is not None]
+        attrs = {key: cb for group, key, cb in each if group == "attrs" and cb is not None}
+        for note in notes:
+            print(f"ddipp: {note}", file=sys.stderr)
+    for name, callback in attrs.items():
         setattr(learn, name, callback)

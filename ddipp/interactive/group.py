@@ -21,7 +21,7 @@ import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 import torch.distributed as dist
@@ -29,11 +29,12 @@ import torch.distributed as dist
 from .. import dist as ddist
 from ..files import owned_dir_prefix, sweep_stale_dirs
 from .progress import ProgressMirror
-from .shipping import digest, dumps
+from .shipping import digest, dumps, receive, send
 from .worker import CONNECTION_FD_ENV
 
 START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
 LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
+STOP_DEADLINE = 4  # seconds an interrupted fit's ranks have to stop and send back what they trained
 PEER_GRACE = 5  # seconds to wait for the rank that failed first, once another rank reported the echo of it
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -62,12 +63,14 @@ class WorkerGroup:
         self.store = _loopback_store()
         self.procs: List[subprocess.Popen] = []
         self.conns: List[Connection] = []
+        self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
+        self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
         started = time.monotonic()
         print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} ...", end="", flush=True)
         try:
             for rank in range(len(devices)):
                 self._spawn(rank)
-            self._collect("ready", deadline=started + START_TIMEOUT)
+            self._collect("ready", deadline=started + START_TIMEOUT, late=self._not_started)
             self.store = None  # every rank joined: nothing listens for the group any more
         except BaseException:
             print(" failed", flush=True)
@@ -99,23 +102,38 @@ class WorkerGroup:
         theirs.close()
         self.conns.append(Connection(ours.detach()))
 
-    def fit(self, data: Any, call: bytes, options: dict) -> Tuple[bytes, Any]:
-        """Run one fit on every rank; rank 0's results and the notebook's bar that mirrored its progress."""
-        mirror = ProgressMirror()
+    def fit(self, data: Any, call: bytes, options: dict) -> Tuple[list, Any, bool]:
+        """Run one fit on every rank: rank 0's results, the notebook's bar that mirrored its progress, and whether
+        an interrupt stopped the fit (every rank after the same step; what was trained comes back all the same)."""
+        mirror, interrupted = ProgressMirror(), False
         try:
             for conn in self.conns:
-                conn.send(("set_context", os.getcwd(), sys.path))
+                send(conn, ("set_context", os.getcwd(), sys.path))
             data_bytes = self._keep_data(data)
             for conn in self.conns:
-                conn.send(("fit", self.data_digest, call, options))
-            results = self._collect("done", on_event=mirror)
-            self.last_sent = dict(data=data_bytes, call=len(call) * len(self.conns), results=len(results[0]))
+                send(conn, ("fit", self.data_digest, call, options))
+            self.replies = {}
+            try:
+                self._collect("done", on_event=mirror)
+            except KeyboardInterrupt:
+                interrupted = True
+                self._stop_fit(mirror)
+            results = self.replies[0]
+            self.last_sent = dict(data=data_bytes, call=len(call) * len(self.conns), results=sum(map(len, results)))
         except BaseException as e:
             self.kill()
             if isinstance(e, KeyboardInterrupt):
                 mirror.interrupt()
             raise
-        return results[0], mirror.bar
+        return results, mirror.bar, interrupted
+
+    def _stop_fit(self, mirror: ProgressMirror) -> None:
+        """After an interrupt: ask the ranks to stop after the same step and wait STOP_DEADLINE seconds for what they
+        trained; a second interrupt, or none in time, raises KeyboardInterrupt (and the group is killed)."""
+        if self.receiving:  # interrupted within a message: the stream cannot be trusted any more
+            raise KeyboardInterrupt
+        os.kill(self.procs[0].pid, signal.SIGUSR1)  # rank 0 passes it on to the others with the step's loss
+        self._collect("done", on_event=mirror, deadline=time.monotonic() + STOP_DEADLINE, late=KeyboardInterrupt)
 
     def _keep_data(self, data: Any) -> int:
         """Send `data` to every worker unless they already keep an equal one; the bytes sent."""
@@ -127,27 +145,33 @@ class WorkerGroup:
         self.data_digest = None
         sizes = [buf.raw().nbytes for buf in buffers]
         for conn in self.conns:
-            conn.send(("keep_data", data_digest, blob, sizes))
+            send(conn, ("keep_data", data_digest, blob, sizes))
             for buf in buffers:
                 conn.send_bytes(buf.raw())
         self.data_digest = data_digest
         return (len(blob) + sum(sizes)) * len(self.conns)
 
-    def _collect(self, expected: str, on_event=None, deadline: Optional[float] = None) -> Dict[int, Any]:
-        """Serve the workers' messages until every rank sent `expected`; raise the error of the rank that failed.
+    def _collect(self, expected: str, on_event=None, deadline: Optional[float] = None,
+                 late: Callable[[], BaseException] = None) -> None:
+        """Serve the workers' messages until every rank sent `expected` (its reply lands in `self.replies`); raise
+        the error of the rank that failed, or `late()` past the deadline.
 
         A rank whose collective failed because another rank failed is not the one to blame: its error is raised
         only when no other rank's error or death shows within PEER_GRACE seconds."""
-        pending, results, echoes, echo_deadline = dict(zip(self.conns, range(len(self.conns)))), {}, {}, None
+        pending = {conn: rank for rank, conn in enumerate(self.conns) if rank not in self.replies}
+        echoes, echo_deadline = {}, None
         while pending:
             for conn in wait(list(pending), timeout=1.0):
                 rank = pending[conn]
+                self.receiving = True
                 try:
-                    kind, *args = conn.recv()
+                    kind, *args = receive(conn)
                 except (EOFError, OSError):
                     raise self._death(rank) from None
+                finally:
+                    self.receiving = False
                 if kind == expected:
-                    results[rank] = args[0]
+                    self.replies[rank] = args[0]
                     del pending[conn]
                 elif kind == "error":
                     error = _remote_error(rank, *args)
@@ -159,18 +183,20 @@ class WorkerGroup:
                 elif kind == "out":
                     (sys.stderr if args[0] == "stderr" else sys.stdout).write(args[1])
                 else:
-                    on_event(tuple([kind, *args]))
+                    on_event(kind, *args)
             for rank, proc in enumerate(self.procs):
                 if proc.poll() is not None:
                     raise self._death(rank)
             if echo_deadline is not None and time.monotonic() > echo_deadline:
                 break
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerError(f"ddipp workers did not start within {START_TIMEOUT} s; "
-                                  f"{self._log_tail(min(pending.values()))}")
+                raise late()
         if echoes:
             raise echoes[min(echoes)]
-        return results
+
+    def _not_started(self) -> WorkerError:
+        late = min(rank for rank in range(len(self.conns)) if rank not in self.replies)
+        return WorkerError(f"ddipp workers did not start within {START_TIMEOUT} s; {self._log_tail(late)}")
 
     def _death(self, rank: int) -> WorkerError:
         proc = self.procs[rank]
@@ -191,7 +217,7 @@ class WorkerGroup:
         """Ask the workers to leave, then make sure they are gone."""
         for conn in self.conns:
             try:
-                conn.send(("stop",))
+                send(conn, ("stop",))
             except OSError:
                 pass
         deadline = time.monotonic() + 5

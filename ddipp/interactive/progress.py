@@ -41,28 +41,33 @@ class ProgressRelay(Callback):
 
 
 class ProgressMirror:
-    """Replays a relayed fit's events on this process's fastprogress bars (those plain fastai would draw)."""
+    """Replays a relayed fit's events on this process's fastprogress bars (those plain fastai would draw): one method
+    per kind of event `ProgressRelay` sends, called by name."""
 
     def __init__(self):
-        self.bar, self.child = None, None
+        self.bar, self.child_bar = None, None
 
-    def __call__(self, event: tuple) -> None:
-        kind, *args = event
-        if kind == "begin":
-            self.bar = fastai.basic_train.master_bar(range(args[0]))
-        elif kind == "main":
-            self.bar.main_bar.update(args[0])
-        elif kind == "child":
-            self.child = fastai.basic_train.progress_bar(range(args[0]), parent=self.bar)
-        elif kind == "child_update":
-            self.child.comment = args[1]
-            self.child.update(args[0])
-        elif kind == "write":
-            self.bar.write(args[0], table=args[1])
-        elif kind == "graph":
-            self.bar.update_graph(*args)
-        elif kind == "interrupt":
-            self.interrupt()
+    def __call__(self, kind: str, *args) -> None:
+        getattr(self, kind)(*args)
+
+    def begin(self, total: int) -> None:
+        self.bar = fastai.basic_train.master_bar(range(total))
+
+    def main(self, value: int) -> None:
+        self.bar.main_bar.update(value)
+
+    def child(self, total: int) -> None:
+        self.child_bar = fastai.basic_train.progress_bar(range(total), parent=self.bar)
+
+    def child_update(self, value: int, comment: str) -> None:
+        self.child_bar.comment = comment
+        self.child_bar.update(value)
+
+    def write(self, line, table: bool) -> None:
+        self.bar.write(line, table=table)
+
+    def graph(self, graphs, x_bounds, y_bounds) -> None:
+        self.bar.update_graph(graphs, x_bounds, y_bounds)
 
     def interrupt(self) -> None:
         """Show the bar as interrupted, as fastprogress does when a local fit raises."""

@@ -11,6 +11,7 @@ import hashlib
 import io
 import pickle
 import weakref
+from multiprocessing.connection import Connection
 from typing import Any, Dict, Hashable, List, Tuple
 
 import cloudpickle
@@ -157,6 +158,17 @@ def loads(blob: bytes, objects: Dict[Hashable, Any] = None, device: torch.device
         return _Unpickler(io.BytesIO(blob), objects or {}, buffers).load()
     finally:
         _receiver_device = previous
+
+
+def send(conn: Connection, message: tuple) -> None:
+    """Send a message between the notebook and a worker by value, through `dumps` (a plain `conn.send` would pickle
+    tensors with torch's shared-memory reducers, meant for processes that share multiprocessing's authkey)."""
+    conn.send_bytes(dumps(message))
+
+
+def receive(conn: Connection) -> tuple:
+    """The next message `send` sent on `conn`."""
+    return loads(conn.recv_bytes())
 
 
 def digest(blob: bytes, buffers: List[pickle.PickleBuffer]) -> str:

@@ -3,14 +3,18 @@
 It joins the process group once (paying the torch/fastai import once), then serves commands on the socket
 it inherited: "set_context" (the notebook's directory and sys.path), "keep_data" (a data bunch to keep),
 "fit" (a learner and a fit call: run it under DDP, send back rank 0's results), "stop". Rank 0 relays its
-progress bars and prints while it fits. It exits when the notebook's process dies.
+progress bars and prints while it fits; SIGUSR1 asks its fit to stop (every rank stops after the same step).
+It exits when the notebook's process dies.
 """
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+
+from .shipping import receive, send
 
 CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"
 
@@ -36,19 +40,20 @@ class Worker:
         from ddipp import dist
         self.conn, self.lock = conn, threading.Lock()
         dist.init()
+        signal.signal(signal.SIGUSR1, lambda *_: dist.request_stop())  # the notebook's interrupt, sent to rank 0
         self.rank, self.device = ddipp.rank(), ddipp.device()
         self.data_digest, self.data = None, None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
     def send(self, message: tuple) -> None:
         with self.lock:
-            self.conn.send(message)
+            send(self.conn, message)
 
     def serve(self) -> None:
         self.send(("ready", os.getpid()))
         while True:
             try:
-                command, *args = self.conn.recv()
+                command, *args = receive(self.conn)
             except EOFError:
                 return
             if command == "stop":
@@ -77,6 +82,8 @@ class Worker:
         from .fitting import run_fit
         if digest != self.data_digest:
             raise RuntimeError(f"ddipp: rank {self.rank} holds data {self.data_digest}, not {digest}")
+        from ddipp import dist
+        dist.request_stop(False)  # an interrupt meant for an earlier fit
         result = run_fit(self.data, call, options, self.device, self.send if self.rank == 0 else None)
         self.send(("done", result))
 
@@ -96,7 +103,7 @@ def main() -> None:
     try:
         worker = Worker(conn)
     except BaseException as e:
-        conn.send(("error", _pickled_exception(e), traceback.format_exc()))
+        send(conn, ("error", _pickled_exception(e), traceback.format_exc()))
         raise
     worker.serve()
     from ddipp import dist

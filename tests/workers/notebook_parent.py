@@ -1,9 +1,12 @@
-"""A stand-in for a notebook kernel, interrupted and then killed mid-fit by tests/interactive/test_group.py.
+"""A stand-in for a notebook kernel, interrupted twice and then killed mid-fit by tests/interactive/test_group.py.
 
-It prints WORKERS <pids>, then fits until SIGINT (printing INTERRUPTED <weights kept?>), fits once more on a
-restarted group (REFIT <epochs recorded> <pids>), then fits again until the test kills it with SIGKILL."""
+It prints WORKERS <pids>, then fits until SIGINT: the ranks stop after the same step and it prints INTERRUPTED
+<weights trained?> <epochs recorded> <steps recorded>. It fits once more (REFIT <epochs recorded> <pids>), then fits
+with rank 1 stuck outside torch until SIGINT: the ranks cannot stop, the group is killed and it prints STUCK
+<weights as before?>. Then it fits again until the test kills it with SIGKILL."""
 import signal
 import sys
+import threading
 
 import torch
 
@@ -26,8 +29,19 @@ class Announce(LearnerCallback):
             print("TRAINING", flush=True)
 
 
+class StuckRank1(Announce):
+    def on_batch_end(self, iteration, **kwargs):
+        super().on_batch_end(iteration)
+        if iteration == 2 and ddipp.rank() == 1:
+            threading.Event().wait()
+
+
 def pids():
     return " ".join(str(p.pid) for p in _groups[("cpu", "cpu")].procs)
+
+
+def same(before, learn):
+    return all(torch.equal(a, b) for a, b in zip(before, params(learn)))
 
 
 learn = digits_learner(digits_data(sys.argv[1], bs=16)).to_ddp(nprocs=2)
@@ -37,9 +51,16 @@ before = params(learn)
 try:
     learn.fit(1000, 1e-3)
 except KeyboardInterrupt:
-    print("\nINTERRUPTED", all(torch.equal(a, b) for a, b in zip(before, params(learn))), flush=True)
+    print("\nINTERRUPTED", not same(before, learn), len(learn.recorder.val_losses), len(learn.recorder.losses),
+          flush=True)
 learn.callback_fns.remove(Announce)
 learn.fit(1, 1e-2)
 print("\nREFIT", len(learn.recorder.val_losses), pids(), flush=True)
-learn.callback_fns.append(Announce)
+learn.callback_fns.append(StuckRank1)
+before = params(learn)
+try:
+    learn.fit(1000, 1e-3)
+except KeyboardInterrupt:
+    print("\nSTUCK", same(before, learn), flush=True)
+learn.callback_fns[-1] = Announce
 learn.fit(1000, 1e-3)
