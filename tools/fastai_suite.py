@@ -35,7 +35,7 @@ DESELECTED = {
     # need a checkout of fastai's repository, not the sdist's tests/ beside an installed fastai
     "test_gen_doc_nbtest.py::test_get_tests_dir": "needs fastai's repository: looks for tests/ beside fastai/",
     "test_utils_mod_independency.py::test_setup_parser": "needs fastai's repository: parses its setup.py",
-    "test_vision_data.py::test_vision_pil2tensor_16bit": "needs fastai's repository: reads tests/data/, not in the sdist",
+    "test_vision_data.py::test_vision_pil2tensor_16bit": "needs fastai's repository: reads tests/data/ (not in sdist)",
     "test_tabular_data.py::test_from_df": "needs fastai's repository: reads data/adult_sample/ (a download) by a "
                                           "relative path, out of the offline check's sight",
 }
