@@ -5,9 +5,11 @@ write on rank 0 only, `load`/`load_data`/`load_learner` wait at a barrier first 
 rank 0 wrote). It neutralises the rest: validation sees the whole batch on every rank (so fastai's
 per-batch metric all-reduce averages equal values), lr_find is stopped by LRFinderBypassCallback (fastai
 lets it run to the epoch's end under DDP), and Learner.validate(), which calls on_train_begin without
-on_train_end, is recognised (it has no progress bar) and left undistributed.
+on_train_end, is recognised (it has no progress bar) and left undistributed (under to_ddp() it averages its
+metrics on each rank alone: ddipp.learner.RankValidate).
 """
 import gc
+import math
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -25,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import dist as ddist
-from .sampling import pad_to_longest, shard_eval_loader, shard_train_loader, unshard
+from .sampling import pad_to_longest, repeat_passes, shard_eval_loader, shard_train_loader, unshard
 from .syncbn import convert_sync_bn
 
 
@@ -95,6 +97,10 @@ class DistributedCallback(LearnerCallback):
         self.undo_sync_bn()
         self.unscale()
         self.distributed = False
+
+    def read_passes(self, passes: int) -> None:
+        """Each epoch of this fit reads the shard `passes` times, each pass in a new order (`RepeatedBatches`)."""
+        self.learn.data.train_dl = self.sharded = repeat_passes(self.learn.data.train_dl, passes)
 
     def on_epoch_begin(self, epoch: int, **kwargs) -> None:
         if self.distributed:
@@ -220,19 +226,32 @@ def _padding(loader):
 
 
 def _csv_loggers_aside(learn: Learner):
-    """Point the learner's CSVLoggers at a scratch folder (rank 0 alone writes the real file); returns the undo.
-
-    Not os.devnull: CSVLogger fsyncs its file, which /dev/null refuses."""
+    """Point the learner's CSVLoggers at files without a name (rank 0 alone writes the real file); returns the undo."""
     loggers = [cb for cb in [*vars(learn).values(), *learn.callbacks] if isinstance(cb, CSVLogger)]
-    paths, scratch = [cb.path for cb in loggers], tempfile.TemporaryDirectory(prefix="ddipp-csv-")
+    paths = [cb.path for cb in loggers]
     for cb in loggers:
-        cb.path = Path(scratch.name) / cb.path.name
+        cb.path = UnnamedFile()
 
     def undo():
         for cb, path in zip(loggers, paths):
             cb.path = path
-        scratch.cleanup()
     return undo
+
+
+class UnnamedFile:
+    """A path whose `open` makes a file with no name (tempfile.TemporaryFile): nothing stays on disk, however the
+    process ends (a failed, interrupted or killed fit). Not os.devnull: CSVLogger fsyncs its file, which /dev/null
+    refuses."""
+
+    @property
+    def parent(self) -> Path:  # CSVLogger makes its file's folder: this one exists
+        return Path(tempfile.gettempdir())
+
+    def exists(self) -> bool:
+        return False
+
+    def open(self, mode: str):
+        return tempfile.TemporaryFile(mode)
 
 
 def hide_progress_bars() -> None:
@@ -251,10 +270,11 @@ LR_FIND_MODES = ("solo", "distributed")
 
 
 class LRFinderBypassCallback(LearnerCallback):
-    """`lr_find` under DDP: sweeps once and leaves every rank with the same weights and the same recorder.
+    """`lr_find` under DDP: sweeps once and leaves every rank in the same state (weights, optimizer, recorder).
 
     mode='solo': rank 0 sweeps alone on the whole data (what one GPU would show) while the others wait,
-    then the recorded lrs and losses are broadcast. mode='distributed': all ranks sweep with the global batch."""
+    then the recorder and the optimizer's hyper-parameters are broadcast. mode='distributed': all ranks sweep with
+    the global batch, for the sweep's num_it steps as one process with that batch does."""
     _order = 1  # after fastai's LRFinder (0), which it recognises and stops
 
     def __init__(self, learn: Learner, mode: str = "solo"):
@@ -263,11 +283,21 @@ class LRFinderBypassCallback(LearnerCallback):
             raise ValueError(f"mode={mode!r}: use 'solo' (rank 0 sweeps alone) or 'distributed' (global batch)")
         self.mode, self.sweeping = mode, False
 
-    def on_train_begin(self, pbar, **kwargs) -> None:
+    def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
         # fastai's LRFinder marks its fit's bar clean_on_interrupt in its own on_train_begin, which ran just before
         self.sweeping = getattr(pbar, "clean_on_interrupt", False) and dist.is_initialized()
         if self.sweeping and self.mode == "solo":
             self.learn.distributed_callback.undistribute()
+        elif self.sweeping:
+            self._cover_the_sweep(n_epochs)
+
+    def _cover_the_sweep(self, n_epochs: int) -> None:
+        """Give the fit's epochs the sweep's num_it batches: fastai counts them on the unsharded loader (and a notebook
+        without WORLD_SIZE), so the shard would run out after about 1/N of the sweep, far below end_lr."""
+        steps = self.learn.lr_finder.sched.n_iter
+        passes = math.ceil(steps / (n_epochs * len(self.learn.data.train_dl)))
+        if passes > 1:
+            self.learn.distributed_callback.read_passes(passes)
 
     def _waiting(self) -> bool:
         """True on the ranks that only wait for rank 0's solo sweep."""
@@ -294,11 +324,26 @@ class LRFinderBypassCallback(LearnerCallback):
     def on_train_end(self, **kwargs) -> None:
         # LRFinder.on_train_end already reloaded the pre-sweep weights on every rank (after fastai's load barrier)
         if self.sweeping and self.mode == "solo" and dist.is_initialized():  # not after a failure (left the group)
-            recorder = self.learn.recorder
-            history = [(recorder.lrs, recorder.moms, recorder.losses, recorder.nb_batches)]
-            dist.broadcast_object_list(history, src=0)
-            recorder.lrs, recorder.moms, recorder.losses, recorder.nb_batches = history[0]
+            state = [_sweep_state(self.learn)]
+            dist.broadcast_object_list(state, src=0)
+            _set_sweep_state(self.learn, state[0])
         self.sweeping = False
+
+
+# What a sweep changes besides the weights: the recorder's history, and the optimizer's hyper-parameters (its
+# parameter groups were reloaded from the pre-sweep file on every rank; fastai leaves the last scheduled lr in _lr).
+_RECORDED = ("lrs", "moms", "losses", "nb_batches", "val_losses", "metrics")
+_HYPER = ("_lr", "_mom", "_beta", "_wd")
+
+
+def _sweep_state(learn: Learner) -> dict:
+    return dict(recorder={k: getattr(learn.recorder, k) for k in _RECORDED},
+                opt={k: getattr(learn.opt, k) for k in _HYPER})
+
+
+def _set_sweep_state(learn: Learner, state: dict) -> None:
+    vars(learn.recorder).update(state["recorder"])
+    vars(learn.opt).update(state["opt"])  # as fastai's OptimWrapper.load_with_state_and_layer_group sets them
 
 
 class GCCallback(LearnerCallback):

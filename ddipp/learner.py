@@ -5,6 +5,8 @@ from functools import partial
 from typing import Optional, Sequence, Tuple
 
 from fastai.basic_train import Learner
+from fastai.callback import AverageMetric, Callback
+from fastai.core import ifnone, listify
 from fastai.torch_core import is_pathlike, rank_distrib
 
 from . import dist
@@ -31,7 +33,9 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
         if gpus is None and nprocs is None:
             return learn
         from .interactive.binding import bind
-        bind(learn, _notebook_devices(gpus, nprocs), timeout, options)
+        devices = _notebook_devices(gpus, nprocs)
+        bind(learn, devices, timeout, options)
+        _say_global_batch(learn, len(devices))
         return learn
     _check_matches_launch(gpus, nprocs)
     dist.init()
@@ -40,6 +44,7 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     from_ddp(learn)
     _lm_eval_loaders(learn.data)
     learn.save = AtomicSave(learn)  # SaveModelCallback's and lr_find's files survive a crash mid-write
+    learn.validate = RankValidate(learn)  # `if ddipp.is_rank0(): learn.validate()` works
     learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
                            partial(LRFinderBypassCallback, mode=lr_find_mode), GCCallback]
     return learn
@@ -71,6 +76,31 @@ class AtomicSave:
         return target if return_path else None
 
 
+class RankValidate:
+    """`learn.validate` of a learner under ddipp: fastai's own, with its metrics averaged on this rank alone.
+
+    Outside a fit every rank validates the whole set, so fastai's per-batch all-reduce of the metrics it wraps in
+    AverageMetric (under WORLD_SIZE > 1) adds nothing and makes validate() a collective that waits for the other
+    ranks. It wraps them here instead, without the all-reduce (metrics that are callbacks, like FBeta, are kept)."""
+
+    def __init__(self, learn: Learner):
+        self.learn = weakref.ref(learn)
+
+    def __call__(self, dl=None, callbacks=None, metrics=None):
+        learn = self.learn()
+        metrics = [_rank_average(m) for m in listify(ifnone(metrics, learn.metrics))]
+        return type(learn).validate(learn, dl, callbacks, metrics)
+
+
+def _rank_average(metric):
+    """`metric` as fastai's CallbackHandler would wrap it, averaged over this rank's batches only."""
+    if isinstance(metric, Callback):
+        return metric
+    average = AverageMetric(metric)
+    average.world = 0  # fastai all-reduces when this is the world size
+    return average
+
+
 def _lm_eval_loaders(data) -> None:
     """Language-model validation and test loaders step through all their streams at once, as in one process."""
     for name in ("valid_dl", "test_dl"):
@@ -81,12 +111,23 @@ def _lm_eval_loaders(data) -> None:
 def from_ddp(learn: Learner) -> Learner:
     """Back to plain single-process fastai: removes ddipp's callbacks, or the binding to a notebook's workers."""
     learn.callback_fns = [f for f in learn.callback_fns if getattr(f, "func", f) not in _DDIPP_CALLBACKS]
-    if isinstance(vars(learn).get("save"), AtomicSave):
-        del learn.save
+    for name, kind in (("save", AtomicSave), ("validate", RankValidate)):
+        if isinstance(vars(learn).get(name), kind):
+            delattr(learn, name)
     if "ddp" in vars(learn):
         from .interactive.binding import unbind
         unbind(learn)
     return learn
+
+
+def _say_global_batch(learn: Learner, processes: int) -> None:
+    """Print the global batch a notebook's learner now trains with: bs is per process, as in a launched script."""
+    dl = learn.data.train_dl.dl
+    bs = dl.batch_size or getattr(dl.batch_sampler, "batch_size", None)
+    if bs:
+        print(f"ddipp: global batch {bs * processes} = {bs} per process x {processes} (an epoch takes 1/{processes} "
+              f"of the steps of one process with bs={bs}); scale the learning rate or the batch size to match one "
+              "process's training")
 
 
 def _notebook_devices(gpus, nprocs) -> Tuple[str, ...]:

@@ -56,6 +56,26 @@ class ShardedSampler(Sampler):
         return len(self.sampler) // self.world_size
 
 
+class RepeatedBatches(Sampler):
+    """The batches of `batches`, over a ShardedSampler, `passes` times back to back, each pass in a new order.
+
+    Epoch e of a fit reads the shard's epochs e*passes, ..., e*passes + passes - 1 (the ShardedSampler's epoch, set
+    for epoch e, is moved along pass by pass), so the batches follow one another as one process's epochs do."""
+
+    def __init__(self, batches: BatchSampler, passes: int):
+        self.batches, self.passes = batches, passes
+
+    def __iter__(self):
+        sampler = self.batches.sampler
+        first = sampler.epoch * self.passes
+        for p in range(self.passes):
+            sampler.set_epoch(first + p)
+            yield from self.batches
+
+    def __len__(self) -> int:
+        return self.passes * len(self.batches)
+
+
 class ShardedEvalBatchSampler(Sampler):
     """Rank `rank`'s part of each of the loader's batches: items rank, rank+N, ... of batch k.
 
@@ -161,6 +181,11 @@ def shard_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, see
         sampler = SequentialSampler(dataset)
     sampler = ShardedSampler(sampler, rank, world_size, seed)
     return _with(loader, dataset, BatchSampler(sampler, batches.batch_size, batches.drop_last))
+
+
+def repeat_passes(loader: DeviceDataLoader, passes: int) -> DeviceDataLoader:
+    """A copy of the sharded training `loader` whose every epoch reads its shard `passes` times (RepeatedBatches)."""
+    return _with(loader, loader.dl.dataset, RepeatedBatches(loader.dl.batch_sampler, passes))
 
 
 def shard_eval_loader(loader: DeviceDataLoader, rank: int, world_size: int) -> DeviceDataLoader:

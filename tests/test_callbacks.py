@@ -14,7 +14,8 @@ from fastai.callbacks.flat_cos_anneal import FlatCosAnnealScheduler
 
 from ddipp import GCCallback
 from ddipp.callbacks import _rescale_schedule
-from scenario import TOL, between_fits, close, decisions, digits_data, digits_learner, failed_fit, max_diff, sweep
+from scenario import (TOL, between_fits, close, decisions, digits_data, digits_learner, evaluation, failed_fit,
+                      max_diff, sweep, swept_state)
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -176,3 +177,42 @@ def test_a_launched_rank_that_raises_ends_the_run_with_its_error_long_before_the
     rc, stderr, seconds = failing_launches[story]
     assert rc == 1 and seconds < 10, (seconds, stderr[-3000:])
     assert "rank 1 failed (exit code 1)" in stderr and "ValueError: rank 1 fails on purpose" in stderr
+
+
+def test_a_distributed_sweep_runs_its_num_it_steps_to_end_lr_as_one_process_with_the_global_batch(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = sweep(digits_learner(digits_data(tmp_path, bs=32, n_valid=1734)), num_it=100)  # 1 batch an epoch
+    assert r0["short_shard_sweep"] == r1["short_shard_sweep"]
+    assert len(single["lrs"]) == len(r0["short_shard_sweep"]["lrs"]) == 100  # fastai's 68 epochs gave 68 steps
+    for key in ("lrs", "losses", "kept_weights"):  # in 50 epochs of 2 passes over the shard: 50 val_losses (None)
+        assert close(r0["short_shard_sweep"][key], single[key])
+
+
+def test_a_solo_sweep_leaves_every_rank_with_rank0s_optimizer_and_recorder(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = swept_state(digits_learner(digits_data(tmp_path, bs=16)))  # rank 0 sweeps alone, with its own batch
+    assert r0["solo_sweep"] == r1["solo_sweep"]
+    assert r0["solo_sweep"]["opt"]["lr"] == 10  # fastai leaves the lr after the sweep's last step
+    assert close(r0["solo_sweep"], single)
+
+
+def test_rank0_alone_validates_and_predicts_as_one_process(ranks, tmp_path):
+    (r0, _), _ = ranks
+    learn = digits_learner(digits_data(tmp_path, bs=32))
+    learn.fit(1, 1e-2)
+    single = evaluation(learn)
+    alone = r0["rank0_alone"]
+    assert isinstance(alone, dict), alone  # not the error of a collective with rank 1, which had left
+    assert len(alone["validate"]) == 4 and close(alone["validate"], single["validate"])  # loss, accuracy, ..., FBeta
+    assert close(alone["validate_plain"], single["validate_plain"])
+    assert max_diff([alone["preds"], alone["losses"]], [single["preds"], single["losses"]]) <= TOL
+
+
+def test_csv_loggers_of_other_ranks_leave_nothing_in_the_temp_folder_whatever_ends_the_fit(ranks):
+    (r0, r1), out = ranks
+    for rank in (r0, r1):
+        assert rank["csv_fits"] == dict(during_csv_fit=[], after_failed_fit=[], during_plain_fit=[],
+                                        after_failed_begin=[])
+    assert not list((out / "tmp").glob("ddipp-csv-*"))
+    rows = (out / "csv" / "history.csv").read_text().splitlines()  # written by rank 0 alone
+    assert rows[0].startswith("epoch,train_loss,valid_loss,accuracy") and [r[0] for r in rows[1:]] == ["0", "1"]

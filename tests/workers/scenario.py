@@ -1,11 +1,14 @@
 """One training story, run by the tests in one process (the reference) and by fit_worker.py on 2 ranks."""
+import contextlib
+import tempfile
 from functools import partial
+from pathlib import Path
 
 import pandas as pd
 import torch
 from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner, LearnerCallback, load_learner
-from fastai.callbacks import EarlyStoppingCallback, ReduceLROnPlateauCallback, SaveModelCallback
+from fastai.callbacks import CSVLogger, EarlyStoppingCallback, ReduceLROnPlateauCallback, SaveModelCallback
 from fastai.metrics import FBeta, accuracy
 from fastai.tabular import Normalize, TabularList, tabular_learner
 from sklearn.datasets import load_digits
@@ -188,3 +191,69 @@ def between_fits(learn, bs):
     opt_state = [learn.opt.opt.state[p] for p in learn.model.parameters() if p in learn.opt.opt.state]
     return dict(history(learn), params=params(learn), batches=learn.batch_counter.count,
                 opt_state=[s["exp_avg"] for s in opt_state])
+
+
+def opt_state(learn):
+    """The optimizer's hyper-parameters as fastai reports them, and as its parameter groups hold them."""
+    opt = learn.opt
+    return dict(lr=opt.lr, mom=opt.mom, beta=opt.beta, wd=opt.wd,
+                groups=[[pg["lr"], *pg["betas"], pg["weight_decay"]] for pg in opt.opt.param_groups])
+
+
+def swept_state(learn, num_it=20):
+    """sweep(), then the optimizer's hyper-parameters it left."""
+    return dict(sweep(learn, num_it), opt=opt_state(learn))
+
+
+def evaluation(learn):
+    """validate() with the learner's metrics and with plain ones, get_preds() with losses: what a rank alone gets."""
+    preds, targets, losses = learn.get_preds(with_loss=True)
+    return dict(validate=[float(v) for v in learn.validate()],
+                validate_plain=[float(v) for v in learn.validate(metrics=[accuracy, batch_max_prob])],
+                preds=preds, losses=losses)
+
+
+class TempEntries(LearnerCallback):
+    """Records, at each epoch's end, the ddipp-csv-* entries of the temp folder (while the fit runs)."""
+
+    def on_train_begin(self, **kwargs):
+        self.seen = []
+
+    def on_epoch_end(self, **kwargs):
+        self.seen += csv_scratch_entries()
+
+
+def csv_scratch_entries():
+    return sorted(p.name for p in Path(tempfile.gettempdir()).glob("ddipp-csv-*"))
+
+
+class RaiseAtTrainBegin(LearnerCallback):
+    """Fails the fit in on_train_begin, after ddipp's callbacks and CSVLogger began it (so on_train_end never runs)."""
+    _order = 5
+
+    def on_train_begin(self, **kwargs):
+        raise RuntimeError("failing on purpose at train begin")
+
+
+def csv_fits(make_learner):
+    """Fits with and without CSVLogger, one that fails mid-way, one that fails in on_train_begin: the ddipp-csv-*
+    entries of the temp folder during and after each. `make_learner()` gives a fresh learner."""
+    res = {}
+    learn = make_learner()
+    learn.callback_fns += [partial(CSVLogger, filename="history"), TempEntries]
+    learn.fit(2, 1e-2)
+    res["during_csv_fit"] = learn.temp_entries.seen
+    learn.callback_fns[-2:] = [partial(CSVLogger, filename="history_failed"), RaiseAt]
+    with contextlib.suppress(RuntimeError):
+        learn.fit(1, 1e-2)
+    res["after_failed_fit"] = csv_scratch_entries()
+    learn = make_learner()
+    learn.callback_fns.append(TempEntries)
+    learn.fit(1, 1e-2)
+    res["during_plain_fit"] = learn.temp_entries.seen
+    learn = make_learner()
+    learn.callback_fns += [partial(CSVLogger, filename="history_begin"), RaiseAtTrainBegin]
+    with contextlib.suppress(RuntimeError):
+        learn.fit(1, 1e-2)
+    res["after_failed_begin"] = csv_scratch_entries()
+    return res
