@@ -100,7 +100,7 @@ class DistributedCallback(LearnerCallback):
 
     def read_passes(self, passes: int) -> None:
         """Each epoch of this fit reads the shard `passes` times, each pass in a new order (`RepeatedBatches`)."""
-        self.learn.data.train_dl = self.sharded = repeat_passes(self.learn.data.train_dl, passes)
+        self.learn.data.train_dl = repeat_passes(self.learn.data.train_dl, passes)
 
     def on_epoch_begin(self, epoch: int, **kwargs) -> None:
         if self.distributed:

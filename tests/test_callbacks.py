@@ -156,19 +156,15 @@ def test_a_schedule_planned_for_the_unsharded_loader_is_the_one_fastai_plans_for
 
 @pytest.fixture(scope="module")
 def failing_launches(tmp_path_factory):
-    """Both stories of tests/workers/fail_fast_worker.py launched at once: (exit code, stderr, seconds from rank
-    1's raise to the launcher's exit) each."""
-    outs = {story: tmp_path_factory.mktemp(story) for story in ("save_model", "lr_find")}
-    procs = {story: subprocess.Popen([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "60",
-                                      str(WORKERS / "fail_fast_worker.py"), str(out), story],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for story, out in outs.items()}
+    """Both stories of tests/workers/fail_fast_worker.py, launched one after the other (not to time a loaded
+    machine): (exit code, stderr, seconds from rank 1's raise to the launcher's exit) each."""
     runs = {}
-    for story, proc in procs.items():
-        _, stderr = proc.communicate(timeout=300)
-        ended = time.time()
-        raised = float((outs[story] / "raised").read_text())
-        runs[story] = proc.returncode, stderr, ended - raised
+    for story in ("save_model", "lr_find"):
+        out = tmp_path_factory.mktemp(story)
+        proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "60",
+                               str(WORKERS / "fail_fast_worker.py"), str(out), story], capture_output=True, text=True,
+                              timeout=300)
+        runs[story] = proc.returncode, proc.stderr, time.time() - float((out / "raised").read_text())
     return runs
 
 

@@ -72,6 +72,7 @@ def results(learn: Learner) -> List[bytes]:
     cannot be pickled (a CSVLogger keeps its closed file): an unpicklable attribute never costs the weights."""
     objects = learner_objects(learn)
     parts = [dumps(dict(state=learn.model.state_dict(), opt=learn.opt), objects=objects)]
+    objects["opt"] = learn.opt  # the callbacks (the recorder) hold the same optimizer: a reference to the first part's
     callbacks = dict(callbacks=learn.callbacks, attrs=_attached_callbacks(learn))
     try:
         return parts + [dumps(callbacks, objects=objects)]
@@ -131,6 +132,7 @@ def apply_results(learn: Learner, parts: List[bytes], bar: Any) -> None:
     learn.model.load_state_dict(got["state"])
     learn.opt = got["opt"]
     move_optimizer_state(learn)
+    objects["opt"] = learn.opt
     got = [loads(part, objects, learn.data.device) for part in parts[1:]]
     if len(got) == 1:
         learn.callbacks = got[0]["callbacks"]

@@ -80,6 +80,7 @@ def test_unchanged_data_is_sent_once(tmp_path):
     group = _groups[CPU2]
     learn.fit(1, 1e-2)
     first = group.last_sent
+    assert learn.recorder.opt is learn.opt  # as after a local fit: one optimizer, not a copy per part of the results
     learn.fit(1, 1e-2)
     again = group.last_sent
     learn.data = digits_data(tmp_path, bs=16)  # an equal copy: nothing to send either
