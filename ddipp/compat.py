@@ -6,20 +6,33 @@ and why, and is applied once by `apply()` (called on `import ddipp`). The README
 import contextlib
 import gc
 import importlib.util
+import inspect
 import io
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sized
 from functools import partial
 from pathlib import Path
+from typing import Callable
 from warnings import warn
 
 import numpy as np
 import pandas as pd
 import spacy
 import torch
+import torchvision
 from fastprogress.fastprogress import ConsoleMasterBar, ConsoleProgressBar
+from torch import nn
+
+# setuptools 80 warns (a UserWarning: "pkg_resources is deprecated as an API") on `import pkg_resources`, which every
+# `import fastai` runs (fastai.imports.core calls its `require`). Import it here first, with exactly that warning
+# ignored, so fastai's import is quiet when ddipp is imported before fastai. Nothing else is silenced, and nothing at
+# all if pkg_resources was already imported.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="pkg_resources is deprecated as an API", category=UserWarning)
+    import pkg_resources  # noqa: F401
 
 import fastai.basic_data
 import fastai.basic_train
@@ -28,18 +41,21 @@ import fastai.data_block
 import fastai.tabular.transform
 import fastai.text.data
 import fastai.text.transform
-import fastai.train  # noqa: F401  (adds fit_one_cycle, lr_find, to_fp16 to Learner)
+import fastai.train  # also adds fit_one_cycle, lr_find, to_fp16 to Learner
+import fastai.vision.learner
 import fastai.vision.transform
 from fastai.basic_data import data_collate, distrib_barrier, is_pathlike
 from fastai.basic_train import LabelLists, load_callback
 from fastai.callback import OptimWrapper
 from fastai.core import defaults, get_tmp_file, ifnone
 from fastai.text.models.awd_lstm import dropout_mask
+from fastai.vision.learner import cnn_config, has_pool_type
 
 _TORCH_LOADS_WEIGHTS_ONLY = torch.__version__ >= (2, 6)   # torch.load(weights_only=True) became the default
 _NUMPY_REJECTS_RAGGED = np.lib.NumpyVersion(np.__version__) >= "1.24.0"
 _PANDAS_2 = int(pd.__version__.split(".")[0]) >= 2
 _SPACY_3 = int(spacy.__version__.split(".")[0]) >= 3
+_TORCHVISION_WEIGHTS_API = tuple(int(n) for n in torchvision.__version__.split(".")[:2]) >= (0, 13)
 
 _applied = False
 
@@ -74,6 +90,12 @@ def apply() -> None:
     _restore_ipython_display()
     if _row_follows_a_cut_bar():
         ConsoleMasterBar.write = _write_on_a_fresh_line
+    if _pinning_warns():
+        _no_pinning_by_default(fastai.basic_data.intercept_args)
+    if _TORCHVISION_WEIGHTS_API:
+        _rebody(fastai.vision.learner.create_body, _create_body)
+    if _zero_grad_sets_none():
+        fastai.train.AccumulateScheduler.on_epoch_end = _accumulate_scheduler_on_epoch_end
 
 
 def _rebody(old, new) -> None:
@@ -394,3 +416,62 @@ def _write_on_a_fresh_line(self, line, table=False):
         child.on_iter_end()
         child.last_v = None
     _console_write(self, line, table)
+
+
+# --- torch 2: a loader that asks for pinned memory warns where there is no accelerator ---------------------
+# fastai replaces DataLoader.__init__ with its own, whose pin_memory defaults to True (torch's is False), so every
+# loader (fastai's, and the user's own) printed "'pin_memory' argument is set as true but no accelerator is found"
+# at every epoch on a machine without GPU, where pinning does nothing. Default to False there.
+def _pinning_warns() -> bool:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iter(torch.utils.data.DataLoader([0], pin_memory=True))
+    return any("'pin_memory' argument is set as true" in str(w.message) for w in caught)
+
+
+def _no_pinning_by_default(init) -> None:
+    """Make the default of `init`'s pin_memory argument False (a loader asked for it explicitly still pins)."""
+    names = list(inspect.signature(init).parameters)
+    defaults = list(init.__defaults__)
+    defaults[names.index("pin_memory") - (len(names) - len(defaults))] = False
+    init.__defaults__ = tuple(defaults)
+
+
+# --- torchvision >= 0.13 deprecated `pretrained` for `weights` --------------------------------------------------
+# fastai's create_body (cnn_learner, unet_learner) calls `arch(pretrained)`, the old interface, so every cnn_learner on
+# a torchvision model printed two deprecations of a call the user did not write. They are ignored during that call
+# alone, by message and module: the user's own calls of torchvision's builders still warn.
+def _create_body(arch, pretrained=True, cut=None):
+    "Cut off the body of a typically pretrained `model` at `cut` (int) or as specified by `cut(model)` (function)."
+    with warnings.catch_warnings():
+        for message in ("Using 'weights' as positional parameter", "Arguments other than a weight enum or `None`"):
+            warnings.filterwarnings("ignore", message, UserWarning, r"torchvision\.models\._utils")
+        model = arch(pretrained)
+    cut = ifnone(cut, cnn_config(arch)["cut"])
+    if cut is None:
+        ll = list(enumerate(model.children()))
+        cut = next(i for i, o in reversed(ll) if has_pool_type(o))
+    if isinstance(cut, int): return nn.Sequential(*list(model.children())[:cut])
+    elif isinstance(cut, Callable): return cut(model)
+    else: raise NamedError("cut must be either integer or a function")  # noqa: F821  (fastai's: a NameError)
+
+
+# --- torch 2: optimizer.zero_grad() sets the gradients to None (set_to_none=True) ------------------------------
+# AccumulateScheduler's epoch end divides every gradient by the samples accumulated since the last step, then steps:
+# when the epoch's batch count is a multiple of n_step, the last step's zero_grad left None where torch 1 left zeros,
+# and `p.grad.div_` raised AttributeError. Give those parameters the zeros torch 1 had: the same step follows.
+def _zero_grad_sets_none() -> bool:
+    p = nn.Parameter(torch.zeros(1))
+    p.grad = torch.ones(1)
+    torch.optim.SGD([p], lr=0.0).zero_grad()
+    return p.grad is None
+
+
+def _accumulate_scheduler_on_epoch_end(self, **kwargs):
+    "Step the rest of the accumulated grads if not perfectly divisible."
+    for p in self.learn.model.parameters():
+        if p.requires_grad:
+            if p.grad is None: p.grad = torch.zeros_like(p)
+            p.grad.div_(self.acc_samples)
+    if not self.drop_last: self.learn.opt.step()
+    self.learn.opt.zero_grad()

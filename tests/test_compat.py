@@ -3,15 +3,19 @@ import contextlib
 import csv
 import functools
 import io
+import os
 import pickle
 import re
+import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import ddipp  # noqa: F401  (applies the fixes)
 import ddipp.compat
@@ -20,11 +24,12 @@ import fastai.text.data
 from fastai.collab import CollabDataBunch, collab_learner
 from fastai.tabular import (Categorify, FillMissing, Normalize, TabularList, add_datepart, tabular_learner)
 from fastai.text import (AWD_LSTM, TextClasDataBunch, TextLMDataBunch, Tokenizer, language_model_learner)
-from fastai.vision import (ImageDataBunch, ImageList, Learner, accuracy, accuracy_thresh, get_transforms,
-                           load_learner, open_image, simple_cnn)
-from fastai.basic_data import load_data
+from fastai.vision import (ImageDataBunch, ImageList, Learner, accuracy, accuracy_thresh, cnn_learner, get_transforms,
+                           load_learner, models, open_image, simple_cnn)
+from fastai.basic_data import DataBunch, load_data
 from fastai.callbacks.misc import StopAfterNBatches
 from fastai.data_block import LabelLists
+from fastai.train import AccumulateScheduler
 
 
 def _digits_learner(path, **kwargs):
@@ -255,3 +260,57 @@ def test_a_module_is_patched_when_imported(tmp_path, monkeypatch):
         assert ddipp_probe.value == 2
     finally:
         sys.modules.pop("ddipp_probe", None)
+
+
+def _tensor_data(n=64, bs=8):
+    x = torch.randn(n, 4)
+    data = TensorDataset(x, (x.sum(1) > 0).long())
+    return DataBunch.create(data, data, bs=bs, num_workers=0)
+
+
+def test_importing_ddipp_then_fastai_shows_only_the_users_own_warning():
+    code = "import ddipp; from fastai.vision import *; import warnings; warnings.warn('mine')"
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # setuptools' pkg_resources deprecation was the other
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "<string>:1: UserWarning: mine\n", proc.stderr
+
+
+def _pinning_warnings(loader):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        next(iter(loader))
+    return [w for w in caught if "'pin_memory' argument is set as true" in str(w.message)]
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinned memory serves where there is an accelerator")
+def test_loaders_do_not_ask_for_pinned_memory_without_an_accelerator():
+    data = _tensor_data()
+    assert not data.train_dl.pin_memory and not data.train_dl.new(shuffle=False).pin_memory
+    assert not _pinning_warnings(data.train_dl) and not _pinning_warnings(DataLoader(data.train_ds))
+    assert _pinning_warnings(DataLoader(data.train_ds, pin_memory=True))  # asked for: torch still says it is useless
+
+
+def test_cnn_learner_is_quiet_and_torchvisions_own_deprecations_still_show(digits_path):
+    data = ImageDataBunch.from_folder(digits_path, size=16, bs=64, num_workers=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cnn_learner(data, models.resnet18, pretrained=False)  # fastai calls resnet18(False), torchvision's old API
+    assert not [str(w.message) for w in caught if "deprecated since 0.13" in str(w.message)]
+    with pytest.warns(UserWarning, match="deprecated since 0.13"):
+        models.resnet18(False)  # the user's own old-style call
+
+
+def _accumulated_fit():
+    """Two epochs of 8 batches with AccumulateScheduler(n_step=4): each epoch ends on an accumulated step."""
+    torch.manual_seed(0)
+    data = _tensor_data()
+    learn = Learner(data, nn.Linear(4, 2), loss_func=nn.CrossEntropyLoss(reduction="sum"))
+    learn.fit(2, 1e-2, callbacks=[AccumulateScheduler(learn, n_step=4)])
+    return _params(learn)
+
+
+def test_accumulate_scheduler_ends_an_epoch_on_a_step_as_on_torch_1(monkeypatch):
+    on_torch_2 = _accumulated_fit()  # fastai's on_epoch_end divided the None gradients torch 2's zero_grad leaves
+    zero_grad = torch.optim.Optimizer.zero_grad
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", lambda opt, set_to_none=False: zero_grad(opt, set_to_none))
+    assert all(torch.equal(a, b) for a, b in zip(on_torch_2, _accumulated_fit()))  # torch 1's zero_grad: zeros
