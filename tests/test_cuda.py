@@ -42,3 +42,20 @@ def test_notebook_mode_on_a_gpu_after_this_process_used_cuda(tmp_path, cpu_fit):
     assert close(history(learn), cpu_fit[0], GPU_TOL)
     assert max_diff([p.cpu() for p in params(learn)], cpu_fit[1]) <= GPU_TOL
     ddipp.shutdown()
+
+
+def test_mixed_precision_in_a_notebook_fit_on_a_gpu_trains_as_a_local_one(tmp_path):
+    """fastai's MixedPrecision (to_fp16) among the callbacks a notebook-mode fit runs (issue 13's list)."""
+    here = torch.device("cuda", 0)
+
+    def trained(path, bound):
+        learn = digits_learner(place_data(digits_data(path, bs=32), here)).to_fp16()
+        learn.model.to(here)
+        if bound:
+            learn.to_ddp(gpus=[0])
+        learn.fit(2, 1e-2)
+        return history(learn), [p.float().cpu() for p in params(learn)]
+    (remote_history, remote_params), (local_history, local_params) = trained(tmp_path / "nb", True), trained(
+        tmp_path / "local", False)
+    assert close(remote_history, local_history, 1e-2) and max_diff(remote_params, local_params) <= 1e-2
+    ddipp.shutdown()
