@@ -3,7 +3,7 @@
 Each must run without error, draw fastprogress's HTML bars and results table in its cells, print the validation
 metric of its final model within a stated bound, and leave the notebook's learner with the weights rank 0 trained:
 the notebook saves its learner right after a fit whose SaveModelCallback made rank 0 write (and every rank reload)
-the best epoch."""
+the best epoch. Rendered, it shows no stderr (its own code warns of nothing) and no learner's repr."""
 import os
 import re
 
@@ -43,20 +43,40 @@ def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_notebook_runs_and_brings_rank0s_training_back(name, tmp_path, monkeypatch):
+@pytest.fixture(scope="module", params=sorted(EXPECTED))
+def executed(request, tmp_path_factory):
+    """A notebook run top to bottom in a kernel (once for the tests below): its name, cells, HTML displays, folder."""
+    name, folder = request.param, tmp_path_factory.mktemp(request.param.split(".")[0])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
+        notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+        client = RecordingClient(notebook, timeout=600, kernel_name="python3",
+                                 resources={"metadata": {"path": str(folder)}})
+        client.execute()
+    return name, notebook, client.html, folder
+
+
+def _outputs(notebook):
+    return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+
+
+def test_notebook_runs_and_brings_rank0s_training_back(executed):
+    name, notebook, displays, folder = executed
     metric, bound, saved_here, saved_by_rank0 = EXPECTED[name]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
-    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = RecordingClient(notebook, timeout=600, kernel_name="python3",
-                             resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
-    assert any(html.count("<progress") == 2 for html in client.html)  # the master bar and an epoch's bar
-    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+    assert any(html.count("<progress") == 2 for html in displays)  # the master bar and an epoch's bar
+    outputs = _outputs(notebook)
     html = "".join(out.get("data", {}).get("text/html", "") for out in outputs)
     assert html.count("<th>train_loss</th>") >= 2  # the results tables, kept in the notebook
     text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
     value = float(re.search(rf"validation {metric} (\d+\.\d+)", text).group(1))
     assert (value <= bound if metric in AT_MOST else value >= bound), text
-    here, rank0 = (torch.load(next(tmp_path.rglob(f"{n}.pth")))["model"] for n in (saved_here, saved_by_rank0))
+    here, rank0 = (torch.load(next(folder.rglob(f"{n}.pth")))["model"] for n in (saved_here, saved_by_rank0))
     assert here.keys() == rank0.keys() and all(torch.equal(here[k], rank0[k]) for k in here)
+
+
+def test_notebook_shows_no_stderr_and_no_learner_repr(executed):
+    """No red box: the notebooks' own code warns of nothing, so any stderr is noise (fastai's, torch's, ddipp's)."""
+    _, notebook, _, _ = executed
+    outputs = _outputs(notebook)
+    assert [out.text for out in outputs if out.output_type == "stream" and out.name == "stderr"] == []
+    assert not [out for out in outputs if out.get("data", {}).get("text/plain", "").startswith("Learner(")]

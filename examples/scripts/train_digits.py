@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import torch
-from fastai.vision import ImageDataBunch, Learner, PoolFlatten, accuracy, conv_layer
 from torch import nn
 
-import ddipp
+import ddipp  # before fastai: ddipp keeps fastai 1.0.61's import quiet on this stack
+from fastai.vision import ImageDataBunch, Learner, PoolFlatten, accuracy, conv_layer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from digits import digits_folder  # noqa: E402
