@@ -316,12 +316,16 @@ def _report(failures: dict, stderrs: dict[int, str]) -> None:
     """Say which ranks failed, with the end of each one's log (elastic's "first failure" is only to the second)."""
     for rank, failure in sorted(failures.items()):
         log = stderrs.get(failure.local_rank)
-        if failure.exitcode < 0:
+        tail = Path(log).read_text(errors="replace").splitlines()[-TAIL_LINES:] if log else []
+        raised = any("Traceback (most recent call last)" in line for line in tail)  # lines start with "[rankN]: "
+        if failure.exitcode < 0 and raised:  # stopped while exiting after its error, e.g. when a peer's echo ended first
+            print(f"{PROG}: rank {rank} raised and was stopped ({failure.signal_name()}) while it exited; end of "
+                  f"{log}:", *tail, sep="\n", file=sys.stderr)
+        elif failure.exitcode < 0:
             print(f"{PROG}: rank {rank} stopped ({failure.signal_name()})", file=sys.stderr)
         elif not log:
             print(f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); its output is above", file=sys.stderr)
         else:
-            tail = Path(log).read_text(errors="replace").splitlines()[-TAIL_LINES:]
             print(f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); end of {log}:", *tail,
                   sep="\n", file=sys.stderr)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddipp.launch import PROG, Config, config_from_args, parse, parse_gpus, store_socket
+from ddipp.launch import PROG, Config, _report, config_from_args, parse, parse_gpus, store_socket
 
 WORKERS = Path(__file__).parent / "workers"
 ECHO, FAIL = WORKERS / "launch_echo.py", WORKERS / "launch_fail.py"
@@ -289,6 +289,19 @@ def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_keeps_the_logs(t
     assert f"end of {attempts[-1][1]}:" in stderr
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(FAIL) in " ".join(p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_a_rank_stopped_while_it_exited_after_raising_is_reported_with_its_traceback(tmp_path, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    log = tmp_path / "stderr.log"  # as elastic writes it: every line prefixed with the rank
+    log.write_text("[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: rank 1 fails on purpose\n")
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text("[rank2]: waiting\n")
+    _report({1: ProcessFailure(1, 11, -15, ""), 2: ProcessFailure(2, 12, -15, "")}, {1: str(log), 2: str(quiet)})
+    err = capsys.readouterr().err
+    assert f"rank 1 raised and was stopped (SIGTERM) while it exited; end of {log}:" in err
+    assert "[rank1]: ValueError: rank 1 fails on purpose" in err
+    assert err.rstrip().endswith("rank 2 stopped (SIGTERM)")  # one that did not raise: no log to read
 
 
 def test_two_nodes_form_one_group(tmp_path):
