@@ -1,7 +1,10 @@
-# `make demo` and `make test` set everything up in a local virtualenv (.venv) and run.
+# `make demo` and `make test` set everything up and run: fastai v1 in .venv, fastai v2 in .venv2 (fastai v1 and v2
+# are one distribution name, so each has its own virtualenv).
 PYTHON ?= python3
 VENV   ?= .venv
+VENV2  ?= .venv2
 PY      = $(VENV)/bin/python
+PY2     = $(VENV2)/bin/python
 
 .PHONY: demo test
 
@@ -12,12 +15,20 @@ demo: $(VENV)/.installed
 		examples/scripts/train_digits.py
 	$(PY) examples/scripts/train_digits.py
 
-# fastai 1.0.61's own test suite with ddipp (tools/fastai_suite.py), then ddipp's; both run, either fails the target
-test: $(VENV)/.installed
-	$(PY) tools/fastai_suite.py; status=$$?; $(PY) -m pytest tests && exit $$status
+# fastai 1.0.61's own test suite with ddipp (tools/fastai_suite.py), ddipp's core and fastai v1 tests, then its
+# fastai v2 tests in .venv2; all run, any failure fails the target
+test: $(VENV)/.installed $(VENV2)/.installed
+	$(PY) tools/fastai_suite.py; s1=$$?; $(PY) -m pytest tests --ignore=tests/fastai2; s2=$$?; \
+		$(PY2) -m pytest tests/fastai2; s3=$$?; [ $$s1 -eq 0 ] && [ $$s2 -eq 0 ] && exit $$s3
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade 'pip>=23'
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[fastai1,test]'
+	touch $@
+
+$(VENV2)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV2)
+	$(PY2) -m pip install --quiet --upgrade 'pip>=23'
+	$(PY2) -m pip install --quiet -e '.[fastai2,test]'
 	touch $@

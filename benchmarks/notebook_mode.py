@@ -16,7 +16,7 @@ from fastai.basic_train import LearnerCallback
 from fastai.vision import ImageDataBunch, accuracy, cnn_learner, models
 
 import ddipp
-from ddipp.interactive.group import _groups
+from ddipp.core.group.group import _groups
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests" / "workers")]

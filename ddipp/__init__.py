@@ -1,26 +1,25 @@
-"""ddipp: train a fastai v1 Learner with DistributedDataParallel on every GPU of a host."""
+"""ddipp: train a fastai Learner (v1 or v2) with DistributedDataParallel on every GPU of a host.
+
+`ddipp.core` is written once and never imports fastai; `ddipp.fastai1` and `ddipp.fastai2` adapt it to each fastai
+major version. Importing ddipp picks the adapter of the installed fastai; the public names are the same in both.
+"""
 import sys
+from importlib.metadata import version
 
 # `python -m ddipp.launch` imports this package first (sys.argv[0] is "-m" while Python locates the
 # module): the launcher needs neither fastai nor its fixes, so it starts in a second, not in ten.
 if sys.argv[:1] != ["-m"]:
-    from . import compat
+    from .core.collectives import all_gather, reduce_sum
+    from .core.dist import barrier, device, is_rank0, rank, world_size
+    from .core.group.group import shutdown
 
-    compat.apply()
-
-    from . import dist
-    from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
-    from .checkpoint import Checkpoint
-    from .collectives import all_gather, reduce_sum
-    from .dist import barrier, device, is_rank0, rank, world_size
-    from .interactive.group import shutdown
-    from .learner import from_ddp, to_ddp  # also adds Learner.to_ddp / Learner.from_ddp
-    from .losses import GlobalBatchLoss
-    from .metrics import SumMetric
-    from .throughput import Throughput
-
-    if dist.launched():
-        dist.bind_device()
+    FASTAI_MAJOR = int(version("fastai").split(".")[0])
+    if FASTAI_MAJOR == 1:
+        from .fastai1 import (Checkpoint, DistributedCallback, GCCallback, GlobalBatchLoss, LRFinderBypassCallback,
+                              SumMetric, Throughput, from_ddp, to_ddp)
+    else:
+        from .fastai2 import (Checkpoint, DistributedCallback, GCCallback, GlobalBatchLoss, LRFinderBypassCallback,
+                              SumMetric, Throughput, from_ddp, to_ddp)
 
 __all__ = ["rank", "world_size", "is_rank0", "device", "barrier", "to_ddp", "from_ddp", "shutdown",
            "DistributedCallback", "LRFinderBypassCallback", "GCCallback",

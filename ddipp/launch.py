@@ -55,39 +55,6 @@ LOOPBACK_RENDEZVOUS = "ddipp-loopback"  # the elastic rendezvous backend of a on
 TAIL_LINES = 40  # lines of a failed rank's log shown on the terminal
 
 
-def parse_gpus(spec: str, device_count: int) -> list[int]:
-    """The GPU indices ``--gpus`` lists, in order ("all": every GPU); ValueError naming the problem if bad."""
-    if spec == "all":
-        if device_count == 0:
-            raise ValueError(_no_gpu("--nproc N"))
-        return list(range(device_count))
-    gpus = []
-    for item in spec.split(","):
-        if not item.strip().isdecimal():
-            raise ValueError(f"{item!r} is not a GPU index; give indices like --gpus 0,1 or --gpus all")
-        gpus.append(int(item))
-    check_gpus(gpus, device_count, "--gpus 0,1", "--nproc N")
-    return gpus
-
-
-def check_gpus(gpus: list[int], device_count: int, example: str, cpu_example: str) -> None:
-    """ValueError if `gpus` repeats a GPU or names one this host lacks; the fixes are spelt like `example`
-    (a valid list, as the user writes it) and `cpu_example` (how to ask for CPU processes instead)."""
-    for i, gpu in enumerate(gpus):
-        if gpu in gpus[:i]:
-            raise ValueError(f"GPU {gpu} listed twice; give each GPU once, e.g. {example}")
-    for gpu in gpus:
-        if device_count == 0:
-            raise ValueError(_no_gpu(cpu_example))
-        if gpu >= device_count:
-            raise ValueError(f"GPU {gpu} does not exist; this host has {device_count} GPU"
-                             f"{'s' if device_count > 1 else ''} (0-{device_count - 1})")
-
-
-def _no_gpu(cpu_example: str) -> str:
-    return f"this host has no GPU; use {cpu_example} to run N CPU processes"
-
-
 class BadInput(ValueError):
     """A command line the launcher refuses; the message names the value and the fix."""
 
@@ -176,7 +143,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
 def worker_env(args: argparse.Namespace, nproc: int, devices: str, environ: Mapping[str, str] = os.environ) -> dict:
     """What ddipp adds to the workers' environment (the rest is elastic's): the device list, the collectives' timeout,
     one OpenMP thread per process when several share the host, and on one host gloo and NCCL on loopback."""
-    from .dist import DEVICES_ENV, TIMEOUT_ENV, loopback_env  # here: bad input fails before torch loads
+    from .core.dist import DEVICES_ENV, TIMEOUT_ENV, loopback_env  # here: bad input fails before torch loads
 
     env = {DEVICES_ENV: devices, TIMEOUT_ENV: str(args.timeout)}
     if nproc > 1 and "OMP_NUM_THREADS" not in environ:
@@ -206,6 +173,8 @@ def _devices(args: argparse.Namespace) -> tuple[int, str]:
     if args.nproc:
         return args.nproc, "cpu"
     import torch
+
+    from .core.dist import parse_gpus
     count = torch.cuda.device_count()
     if args.gpus is None and count == 0:
         raise BadInput("no GPU on this host; pass --nproc N to run N CPU processes")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKERS = ROOT / "tests" / "workers"
+WORKERS = ROOT / "tests" / "fastai1" / "workers"  # the v1 scripts the launched fixtures run
 sys.path[:0] = [str(ROOT / "examples"), str(WORKERS)]
 torch.set_num_threads(1)
 

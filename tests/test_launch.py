@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddipp.launch import PROG, Config, _report, config_from_args, parse, parse_gpus, store_socket
+from ddipp.core.dist import parse_gpus
+from ddipp.launch import PROG, Config, _report, config_from_args, parse, store_socket
 
 WORKERS = Path(__file__).parent / "workers"
 ECHO, FAIL = WORKERS / "launch_echo.py", WORKERS / "launch_fail.py"

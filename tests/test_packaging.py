@@ -12,7 +12,7 @@ import torch, ddipp
 from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner
 from torch.utils.data import DataLoader, TensorDataset
-print("FROM", ddipp.__file__, ddipp.interactive.__file__)
+print("FROM", ddipp.__file__, ddipp.fastai1.notebook.__file__)
 torch.manual_seed(0)
 x, y = torch.randn(64, 4), torch.randn(64, 1)
 data = DataBunch(DataLoader(TensorDataset(x, y), 16), DataLoader(TensorDataset(x, y), 16), path=".", no_check=True,
@@ -42,5 +42,5 @@ def test_a_wheel_installed_in_a_fresh_virtualenv_imports_and_fits(tmp_path):
     (packages / "project-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     run = subprocess.run([python, "-c", FIT], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"FROM {packages}/ddipp/__init__.py {packages}/ddipp/interactive/__init__.py" in run.stdout
+    assert f"FROM {packages}/ddipp/__init__.py {packages}/ddipp/fastai1/notebook/__init__.py" in run.stdout
     assert "TRAINED 1 True" in run.stdout

@@ -1,0 +1,194 @@
+"""The process group: what the launch environment says, which device a rank uses, init and teardown.
+
+Every helper returns single-process values (rank 0 of 1, the default device) when nothing launched
+this process, so the same script runs with and without DDP.
+"""
+import atexit
+import os
+import socket
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
+TIMEOUT_ENV = "DDIPP_TIMEOUT"  # seconds a collective may wait for the other ranks (torch's default if unset)
+GLOO_IFNAME_ENV, NCCL_IFNAME_ENV = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"  # the interface their sockets use
+
+
+def launched() -> bool:
+    """True in a process started by a distributed launcher (torch elastic / ddipp.launch)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank() -> int:
+    """Global rank of this process (0 when not launched)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def local_rank() -> int:
+    """Rank of this process on its host (0 when not launched)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def world_size() -> int:
+    """Number of processes in the group (1 when not launched)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_rank0() -> bool:
+    """True on the process that draws progress and writes files."""
+    return rank() == 0
+
+
+def loopback_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables to add to a one-host group's environment so that gloo and NCCL listen on loopback only (the user's
+    own settings win); without them gloo listens on the address the host name resolves to, reachable by others."""
+    unset = [name for name in (GLOO_IFNAME_ENV, NCCL_IFNAME_ENV) if not environ.get(name)]
+    lo = _loopback_interface() if unset else ""
+    values = {GLOO_IFNAME_ENV: lo, NCCL_IFNAME_ENV: f"={lo}"}  # "=": NCCL takes the exact name, not a prefix
+    return {name: values[name] for name in unset}
+
+
+def _loopback_interface() -> str:
+    """The name of this host's loopback interface: "lo" (Linux) or "lo0" (macOS)."""
+    names = sorted(name for _, name in socket.if_nameindex())
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise RuntimeError(f"no loopback interface (lo, lo0) among this host's interfaces {names}; "
+                       f"set {GLOO_IFNAME_ENV} and {NCCL_IFNAME_ENV} to the name of yours")
+
+
+def device() -> torch.device:
+    """The device this rank trains on: the local rank's entry of ddipp's device list, else cuda:LOCAL_RANK or cpu."""
+    devices = os.environ.get(DEVICES_ENV)
+    if devices == "cpu":
+        return torch.device("cpu")
+    if devices:
+        return torch.device("cuda", int(devices.split(",")[local_rank()]))
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank() if launched() else torch.cuda.current_device())
+
+
+def bind_device() -> torch.device:
+    """Make this rank's device torch's current CUDA device (a no-op on CPU); the device."""
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def parse_gpus(spec: str, device_count: int) -> list[int]:
+    """The GPU indices ``--gpus`` lists, in order ("all": every GPU); ValueError naming the problem if bad."""
+    if spec == "all":
+        if device_count == 0:
+            raise ValueError(_no_gpu("--nproc N"))
+        return list(range(device_count))
+    gpus = []
+    for item in spec.split(","):
+        if not item.strip().isdecimal():
+            raise ValueError(f"{item!r} is not a GPU index; give indices like --gpus 0,1 or --gpus all")
+        gpus.append(int(item))
+    check_gpus(gpus, device_count, "--gpus 0,1", "--nproc N")
+    return gpus
+
+
+def check_gpus(gpus: list[int], device_count: int, example: str, cpu_example: str) -> None:
+    """ValueError if `gpus` repeats a GPU or names one this host lacks; the fixes are spelt like `example`
+    (a valid list, as the user writes it) and `cpu_example` (how to ask for CPU processes instead)."""
+    for i, gpu in enumerate(gpus):
+        if gpu in gpus[:i]:
+            raise ValueError(f"GPU {gpu} listed twice; give each GPU once, e.g. {example}")
+    for gpu in gpus:
+        if device_count == 0:
+            raise ValueError(_no_gpu(cpu_example))
+        if gpu >= device_count:
+            raise ValueError(f"GPU {gpu} does not exist; this host has {device_count} GPU"
+                             f"{'s' if device_count > 1 else ''} (0-{device_count - 1})")
+
+
+def _no_gpu(cpu_example: str) -> str:
+    return f"this host has no GPU; use {cpu_example} to run N CPU processes"
+
+
+def init() -> bool:
+    """Join the process group the launcher described (NCCL on CUDA, gloo on CPU); False when not launched.
+
+    After `leave()` it joins a new group of the same ranks, through the old group's store: every rank left when a
+    fit failed, so all of them meet again at their next fit (a script that caught the error goes on)."""
+    if dist.is_initialized():
+        return True
+    if not launched():
+        return False
+    dev = bind_device()
+    timeout = os.environ.get(TIMEOUT_ENV)
+    options = {"timeout": timedelta(seconds=float(timeout))} if timeout else {}
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        options["device_id"] = dev
+    if _left is None:
+        dist.init_process_group(backend, init_method="env://", **options)
+        atexit.register(teardown)
+    else:
+        store, world_size, times = _left
+        os.environ["WORLD_SIZE"] = str(world_size)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"ddipp-rejoin{times}", store), rank=rank(),
+                                world_size=world_size, **options)
+    return True
+
+
+_left = None  # after leave(): (the old group's store, its size, how many times this process left)
+
+
+def leave() -> None:
+    """Leave the process group at once after a failure, so that the other ranks' collectives with this one fail
+    now instead of at the timeout; until `init()` joins again this process runs alone (fastai reads WORLD_SIZE)."""
+    global _left
+    if not dist.is_initialized():
+        return
+    store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    if dist.get_backend() == "nccl":  # NCCL's way to drop a communicator with work in flight
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+    _left = store, world_size, 0 if _left is None else _left[2] + 1
+    os.environ["WORLD_SIZE"] = "1"
+
+
+class StopRequested(KeyboardInterrupt):
+    """Raised on every rank at the same step once `request_stop()` was called on one of them (a notebook's interrupt):
+    a KeyboardInterrupt, so fastai ends the fit as on Ctrl-C, with what was trained so far."""
+
+
+_stop_requested = False
+
+
+def request_stop(requested: bool = True) -> None:
+    """Ask this rank's fit to stop (DistributedCallback passes it on to every rank with the step's loss)."""
+    global _stop_requested
+    _stop_requested = requested
+
+
+def stop_requested() -> bool:
+    return _stop_requested
+
+
+def peer_failure(error: BaseException) -> bool:
+    """True for the error a collective raises when another rank failed or left (not a problem of this rank)."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and any(
+        sign in str(error) for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")))
+
+
+def teardown() -> None:
+    """Leave the process group, if this process is in one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait until every rank gets here; returns at once when not launched."""
+    if world_size() > 1 and init():
+        dist.barrier()

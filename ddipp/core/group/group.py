@@ -1,0 +1,301 @@
+"""The notebook's persistent group of worker processes: start, run a fit on it, report failures, stop.
+
+Workers are fresh interpreters (never a fork of the kernel, so a kernel that already used CUDA is fine),
+each in its own session so that a terminal's Ctrl-C reaches the notebook only, which then stops them all.
+The notebook hosts the rendezvous store, on loopback and only until every worker has joined; each worker talks
+to the notebook over a private socket. Any failure —
+an exception on a rank, a rank that died, an interrupt — stops the whole group; the next fit starts a new
+one, and the notebook's learner keeps the weights it had before the failed fit.
+"""
+import atexit
+import gc
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import cloudpickle
+import torch.distributed as dist
+
+from .. import dist as ddist
+from ..files import owned_dir_prefix, sweep_stale_dirs
+from .wire import digest, dumps, receive, send
+from .worker import CONNECTION_FD_ENV
+
+START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
+LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
+STOP_DEADLINE = 4  # seconds an interrupted fit's ranks have to stop and send back what they trained
+PEER_GRACE = 5  # seconds to wait for the rank that failed first, once another rank reported the echo of it
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class WorkerError(RuntimeError):
+    """A rank failed without an exception the notebook can rebuild: it died, or its error did not unpickle."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker, shown as the cause of the exception re-raised here."""
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
+
+
+class WorkerGroup:
+    """One worker process per device ("cpu" for each CPU process), ranks in the order of `devices`."""
+
+    def __init__(self, devices: Tuple[str, ...], timeout: float):
+        self.devices, self.timeout = devices, timeout
+        self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
+        self.data_digest = None
+        self.last_sent = {}  # bytes the last fit sent: "data", "call" (to all ranks) and "results" (back)
+        sweep_stale_dirs(Path(tempfile.gettempdir()), LOGS_KIND)  # left by notebooks that were killed
+        self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
+        self.store = _loopback_store()
+        self.procs: List[subprocess.Popen] = []
+        self.conns: List[Connection] = []
+        self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
+        self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
+        started = time.monotonic()
+        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} ...", end="", flush=True)
+        try:
+            for rank in range(len(devices)):
+                self._spawn(rank)
+            self._collect("ready", deadline=started + START_TIMEOUT, late=self._not_started)
+            self.store = None  # every rank joined: nothing listens for the group any more
+        except BaseException:
+            print(" failed", flush=True)
+            self.kill()
+            raise
+        print(f" ready in {time.monotonic() - started:.1f} s", flush=True)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def _spawn(self, rank: int) -> None:
+        ours, theirs = socket.socketpair()
+        cpu = self.devices[0] == "cpu"
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(self.devices)),
+                   LOCAL_WORLD_SIZE=str(len(self.devices)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+                   PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
+                   **{ddist.DEVICES_ENV: "cpu" if cpu else ",".join(d.split(":")[1] for d in self.devices),
+                      ddist.TIMEOUT_ENV: str(self.timeout), CONNECTION_FD_ENV: str(theirs.fileno())},
+                   **ddist.loopback_env())
+        if cpu:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.devices)))
+        with open(self.logs / f"rank{rank}.log", "wb") as log:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-c", "from ddipp.core.group.worker import main; main()"],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=[theirs.fileno()], start_new_session=True))
+        theirs.close()
+        self.conns.append(Connection(ours.detach()))
+
+    def fit(self, data: Any, call: bytes, options: dict, mirror: Any) -> Tuple[list, bool]:
+        """Run one fit on every rank, replaying rank 0's progress events on `mirror` (called with each event's name
+        and arguments; `mirror.interrupt()` when a fit is interrupted): rank 0's results and whether an interrupt
+        stopped the fit (every rank after the same step; what was trained comes back all the same)."""
+        interrupted = False
+        try:
+            for conn in self.conns:
+                send(conn, ("set_context", os.getcwd(), sys.path))
+            data_bytes = self._keep_data(data)
+            for conn in self.conns:
+                send(conn, ("fit", self.data_digest, call, options))
+            self.replies = {}
+            try:
+                self._collect("done", on_event=mirror)
+            except KeyboardInterrupt:
+                interrupted = True
+                self._stop_fit(mirror)
+            results = self.replies[0]
+            self.last_sent = dict(data=data_bytes, call=len(call) * len(self.conns), results=sum(map(len, results)))
+        except BaseException as e:
+            self.kill()
+            if isinstance(e, KeyboardInterrupt):
+                mirror.interrupt()
+            raise
+        return results, interrupted
+
+    def _stop_fit(self, mirror: Any) -> None:
+        """After an interrupt: ask the ranks to stop after the same step and wait STOP_DEADLINE seconds for what they
+        trained; a second interrupt, or none in time, raises KeyboardInterrupt (and the group is killed)."""
+        if self.receiving:  # interrupted within a message: the stream cannot be trusted any more
+            raise KeyboardInterrupt
+        os.kill(self.procs[0].pid, signal.SIGUSR1)  # rank 0 passes it on to the others with the step's loss
+        self._collect("done", on_event=mirror, deadline=time.monotonic() + STOP_DEADLINE, late=KeyboardInterrupt)
+
+    def _keep_data(self, data: Any) -> int:
+        """Send `data` to every worker unless they already keep an equal one; the bytes sent."""
+        buffers = []
+        blob = dumps(data, buffers=buffers)
+        data_digest = digest(blob, buffers)
+        if data_digest == self.data_digest:
+            return 0
+        self.data_digest = None
+        sizes = [buf.raw().nbytes for buf in buffers]
+        for conn in self.conns:
+            send(conn, ("keep_data", data_digest, blob, sizes))
+            for buf in buffers:
+                conn.send_bytes(buf.raw())
+        self.data_digest = data_digest
+        return (len(blob) + sum(sizes)) * len(self.conns)
+
+    def _collect(self, expected: str, on_event=None, deadline: Optional[float] = None,
+                 late: Callable[[], BaseException] = None) -> None:
+        """Serve the workers' messages until every rank sent `expected` (its reply lands in `self.replies`); raise
+        the error of the rank that failed, or `late()` past the deadline.
+
+        A rank whose collective failed because another rank failed is not the one to blame: its error is raised
+        only when no other rank's error or death shows within PEER_GRACE seconds."""
+        pending = {conn: rank for rank, conn in enumerate(self.conns) if rank not in self.replies}
+        echoes, echo_deadline = {}, None
+        while pending:
+            for conn in wait(list(pending), timeout=1.0):
+                rank = pending[conn]
+                self.receiving = True
+                try:
+                    kind, *args = receive(conn)
+                except (EOFError, OSError):
+                    raise self._death(rank) from None
+                finally:
+                    self.receiving = False
+                if kind == expected:
+                    self.replies[rank] = args[0]
+                    del pending[conn]
+                elif kind == "error":
+                    error = _remote_error(rank, *args)
+                    if not ddist.peer_failure(error):
+                        raise error
+                    echoes[rank] = error
+                    del pending[conn]
+                    echo_deadline = echo_deadline or time.monotonic() + PEER_GRACE
+                elif kind == "out":
+                    (sys.stderr if args[0] == "stderr" else sys.stdout).write(args[1])
+                else:
+                    on_event(kind, *args)
+            for rank, proc in enumerate(self.procs):
+                if proc.poll() is not None:
+                    raise self._death(rank)
+            if echo_deadline is not None and time.monotonic() > echo_deadline:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise late()
+        if echoes:
+            raise echoes[min(echoes)]
+
+    def _not_started(self) -> WorkerError:
+        late = min(rank for rank in range(len(self.conns)) if rank not in self.replies)
+        return WorkerError(f"ddipp workers did not start within {START_TIMEOUT} s; {self._log_tail(late)}")
+
+    def _death(self, rank: int) -> WorkerError:
+        proc = self.procs[rank]
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = ("closed its connection" if code is None else
+               f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+        return WorkerError(f"ddipp worker rank {rank} (pid {proc.pid}, {self.devices[rank]}) {how}; "
+                           f"{self._log_tail(rank)}")
+
+    def _log_tail(self, rank: int, lines: int = 20) -> str:
+        text = (self.logs / f"rank{rank}.log").read_text(errors="replace").splitlines()[-lines:]
+        return "its output ended with:\n" + "\n".join(text) if text else "it printed nothing"
+
+    def stop(self) -> None:
+        """Ask the workers to leave, then make sure they are gone."""
+        for conn in self.conns:
+            try:
+                send(conn, ("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every worker and whatever it started (its data loader processes), at once."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            proc.wait()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns, self.data_digest, self.store = [], [], None, None
+        if _groups.get(self.devices) is self:
+            del _groups[self.devices]
+        shutil.rmtree(self.logs, ignore_errors=True)
+
+
+def _loopback_store() -> dist.TCPStore:
+    """The rendezvous store of a new group, listening on 127.0.0.1 only at a port the OS picks.
+
+    torch's TCPStore listens on every interface whatever host it is given, so it gets a socket bound here."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        fd = listener.detach()  # the store owns it from here, and closes it when released
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                         timeout=timedelta(seconds=START_TIMEOUT))
+
+
+def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) -> BaseException:
+    """The exception a worker raised, rebuilt when possible, carrying its rank and remote traceback."""
+    try:
+        error = cloudpickle.loads(pickled) if pickled else None
+    except Exception:
+        error = None
+    if not isinstance(error, BaseException):
+        error = WorkerError(f"ddipp worker rank {rank} raised an exception that could not be rebuilt here")
+    error.add_note(f"(raised on rank {rank} of the ddipp worker group; the remote traceback is above)")
+    error.__cause__ = RemoteTraceback(remote_traceback)
+    return error
+
+
+_groups: Dict[Tuple[str, ...], WorkerGroup] = {}
+
+
+def group_for(devices: Tuple[str, ...], timeout: float) -> WorkerGroup:
+    """The running group on `devices`, started (or restarted with the new timeout) when needed; a group that no
+    learner uses any more is stopped first if it holds one of these devices."""
+    group = _groups.get(devices)
+    if group is not None and (not group.alive or group.timeout != timeout):
+        group.stop()
+        group = None
+    if group is None:
+        overlapping = [g for g in _groups.values() if set(g.devices) & set(devices)]
+        if overlapping:
+            gc.collect()  # a dropped learner may wait in a reference cycle
+        for idle in [g for g in overlapping if not g.learners]:
+            idle.stop()  # no learner uses it any more (dropped without from_ddp): free its devices
+        group = _groups[devices] = WorkerGroup(devices, timeout)
+    return group
+
+
+def shutdown() -> None:
+    """Stop every worker group of this process and free their devices."""
+    for group in list(_groups.values()):
+        group.stop()
+
+
+atexit.register(shutdown)

@@ -1,0 +1,180 @@
+"""The wire between the notebook and its workers: messages pickled by cloudpickle, minus what must not travel.
+
+Objects both sides already hold (the learner, its data and loaders, the model's modules and parameters,
+progress bars) travel as references to the receiver's own; CUDA tensors travel through the CPU and land on
+the receiver's device, so no process ever touches another's GPU; CPU tensors travel as numpy arrays whose
+bytes go out of band (no copy into the pickle, and equal data pickles to equal bytes); the weak references
+fastai's callbacks keep to their learner survive the trip.
+"""
+import copyreg
+import hashlib
+import io
+import pickle
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any, Dict, Hashable, List, Tuple
+
+import cloudpickle
+import numpy as np
+import torch
+from fastprogress.fastprogress import MasterBar, ProgressBar
+from torch import nn
+
+BINDING_ATTRS = ("fit", "ddp")  # what Learner.to_ddp adds to a notebook's learner
+_receiver_device = torch.device("cpu")  # where CUDA tensors land while `loads` runs
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex64, torch.complex128, torch.int64,
+                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+
+
+def _on_receiver_device(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    tensor = tensor.to(_receiver_device)
+    return nn.Parameter(tensor, requires_grad) if parameter else tensor.requires_grad_(requires_grad)
+
+
+def _tensor_from_numpy(array: np.ndarray, requires_grad: bool) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else array.copy()).requires_grad_(requires_grad)
+
+
+def _travels_as_numpy(tensor: torch.Tensor) -> bool:
+    """A plain dense CPU tensor of a dtype numpy has: pickled as an array, its bytes out of band."""
+    return (type(tensor) is torch.Tensor and not tensor.is_cuda and tensor.layout == torch.strided
+            and tensor.dtype in _NUMPY_DTYPES and not tensor.is_conj() and not tensor.is_neg())
+
+
+class _Gone:
+    pass
+
+
+def _weakref_to(obj: Any) -> weakref.ref:
+    return weakref.ref(obj) if obj is not None else weakref.ref(_Gone())  # a dead ref stays dead
+
+
+def _delegated_attributes(obj: Any):
+    """The attributes of an instance (not a class) of a plain class (no metaclass: no enum) that forwards unknown
+    attributes (`__getattr__`) and has no pickling of its own, else None. Pickle looks `__setstate__` up on the
+    half-built object, whose `__getattr__` then reads an attribute not set yet and recurses for ever: fastai's
+    `LanguageModelPreLoader` (so any text LM data) does that."""
+    cls = type(obj)
+    if not (not isinstance(obj, type) and type(cls) is type
+            and hasattr(cls, "__getattr__") and not hasattr(cls, "__setstate__")
+            and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
+            and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)):
+        return None
+    try:
+        return dict(object.__getattribute__(obj, "__dict__"))  # never through its __getattr__
+    except AttributeError:
+        return None
+
+
+def _set_attributes(obj: Any, state: dict) -> None:
+    object.__getattribute__(obj, "__dict__").update(state)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle with references for shared objects, CUDA tensors through the CPU, and picklable weakrefs."""
+
+    def __init__(self, file, refs: Dict[int, Tuple[Hashable, Any]], learner: Any = None, buffers: list = None):
+        super().__init__(file, protocol=5, buffer_callback=None if buffers is None else buffers.append)
+        self.refs, self.learner = refs, learner
+
+    def persistent_id(self, obj):
+        ref = self.refs.get(id(obj))
+        if ref is not None:
+            return ref[0]
+        if isinstance(obj, (MasterBar, ProgressBar)):
+            return "bar"
+        return None
+
+    def reducer_override(self, obj):
+        if type(obj) in (torch.Tensor, nn.Parameter) and obj.is_cuda:
+            return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad, type(obj) is nn.Parameter)
+        if _travels_as_numpy(obj):  # torch's own pickling copies the bytes and names them by address
+            return _tensor_from_numpy, (obj.detach().numpy(), obj.requires_grad)
+        if type(obj) is weakref.ReferenceType:
+            return _weakref_to, (obj(),)
+        if obj is self.learner:
+            return copyreg.__newobj__, (type(obj),), travelling_state(obj)
+        state = _delegated_attributes(obj)
+        if state is not None:  # set by _set_attributes: pickle then never asks the object for __setstate__
+            return copyreg.__newobj__, (type(obj),), state, None, None, _set_attributes
+        return super().reducer_override(obj)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, objects: Dict[Hashable, Any], buffers=None):
+        super().__init__(file, buffers=buffers)
+        self.objects = objects
+
+    def persistent_load(self, pid):
+        return self.objects.get(pid)
+
+
+def dumps(obj: Any, objects: Dict[Hashable, Any] = None, learner: Any = None,
+          buffers: list = None) -> bytes:
+    """Pickle `obj`; the values of `objects` travel as their keys; `learner` travels without its fit-time state.
+
+    With `buffers`, large arrays are appended there out of band (pickle protocol 5) instead of being copied."""
+    refs = {id(o): (key, o) for key, o in (objects or {}).items() if o is not None}
+    file = io.BytesIO()
+    _Pickler(file, refs, learner, buffers).dump(obj)
+    return file.getvalue()
+
+
+def unpicklable_path(named: Dict[str, Any], objects: Dict[Hashable, Any]) -> str:
+    """The path (e.g. "learn.callbacks[2].lock") of the innermost part of the `named` objects that `dumps` cannot
+    pickle. Each attribute, item or value is tried alone, with the values of `objects` as references (a callback's
+    weak reference to the learner does not pickle the learner again); the search follows the first that fails."""
+    path, parts = "", list(named.items())
+    for _ in range(100):  # deeper than any learner; a bound on cycles
+        for name, part in parts:
+            try:
+                dumps(part, {key: o for key, o in objects.items() if o is not part})
+            except Exception:
+                path, parts = path + name, _parts(part)
+                break
+        else:
+            return path
+    return path
+
+
+def _parts(obj: Any) -> list:
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    return [(f".{k}", v) for k, v in travelling_state(obj).items()] if hasattr(obj, "__dict__") else []
+
+
+def loads(blob: bytes, objects: Dict[Hashable, Any] = None, device: torch.device = torch.device("cpu"),
+          buffers=None) -> Any:
+    """Unpickle what `dumps` wrote: references resolve to the values of `objects`, CUDA tensors go to `device`."""
+    global _receiver_device
+    _receiver_device, previous = device, _receiver_device
+    try:
+        return _Unpickler(io.BytesIO(blob), objects or {}, buffers).load()
+    finally:
+        _receiver_device = previous
+
+
+def send(conn: Connection, message: tuple) -> None:
+    """Send a message between the notebook and a worker by value, through `dumps` (a plain `conn.send` would pickle
+    tensors with torch's shared-memory reducers, meant for processes that share multiprocessing's authkey)."""
+    conn.send_bytes(dumps(message))
+
+
+def receive(conn: Connection) -> tuple:
+    """The next message `send` sent on `conn`."""
+    return loads(conn.recv_bytes())
+
+
+def digest(blob: bytes, buffers: List[pickle.PickleBuffer]) -> str:
+    """A fingerprint of a pickle and its out-of-band buffers: equal data, equal digest."""
+    h = hashlib.blake2b(blob, digest_size=16)
+    for buf in buffers:
+        h.update(buf.raw())
+    return h.hexdigest()
+
+
+def travelling_state(learn: Any) -> dict:
+    """The learner's attributes, without ddipp's binding to its worker group."""
+    return {k: v for k, v in vars(learn).items() if k not in BINDING_ATTRS}

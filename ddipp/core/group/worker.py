@@ -1,0 +1,116 @@
+"""A worker of the notebook's group: one rank, started by `WorkerGroup`, running the fits the notebook sends.
+
+It joins the process group once (paying the torch/fastai import once), then serves commands on the socket
+it inherited: "set_context" (the notebook's directory and sys.path), "keep_data" (a data bunch to keep),
+"fit" (a learner and a fit call: run it under DDP, send back rank 0's results), "stop". Rank 0 relays its
+progress bars and prints while it fits; SIGUSR1 asks its fit to stop (every rank stops after the same step).
+It exits when the notebook's process dies.
+"""
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from .wire import receive, send
+
+CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"
+
+
+def _exit_with_parent() -> None:
+    """End this process as soon as the process that started it is gone (a killed kernel leaves no worker)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="ddipp-parent-watch").start()
+
+
+class Worker:
+    """The command loop of one rank."""
+
+    def __init__(self, conn: Connection):
+        import torch
+
+        import ddipp
+        from ddipp.core import dist
+        self.conn, self.lock = conn, threading.Lock()
+        dist.init()
+        signal.signal(signal.SIGUSR1, lambda *_: dist.request_stop())  # the notebook's interrupt, sent to rank 0
+        self.rank, self.device = ddipp.rank(), ddipp.device()
+        self.data_digest, self.data = None, None
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+
+    def send(self, message: tuple) -> None:
+        with self.lock:
+            send(self.conn, message)
+
+    def serve(self) -> None:
+        self.send(("ready", os.getpid()))
+        while True:
+            try:
+                command, *args = receive(self.conn)
+            except EOFError:
+                return
+            if command == "stop":
+                return
+            try:
+                getattr(self, command)(*args)
+            except BaseException as e:  # reported, never fatal: the notebook decides what happens to the group
+                self.send(("error", _pickled_exception(e), traceback.format_exc()))
+
+    def set_context(self, cwd: str, path: list) -> None:
+        """Work in the notebook's directory and import from its sys.path (its own modules, before ours)."""
+        os.chdir(cwd)
+        sys.path[:] = path + [p for p in sys.path if p not in path]
+
+    def keep_data(self, digest: str, blob: bytes, sizes: list) -> None:
+        from .wire import loads
+        self.data, self.data_digest = None, None  # free the previous data first
+        buffers = [bytearray(size) for size in sizes]  # writable: the arrays built on them are the data
+        for buf in buffers:
+            self.conn.recv_bytes_into(buf)
+        self.data = _fitting().place_data(loads(blob, device=self.device, buffers=buffers), self.device)
+        self.data_digest = digest
+
+    def fit(self, digest: str, call: bytes, options: dict) -> None:
+        if digest != self.data_digest:
+            raise RuntimeError(f"ddipp: rank {self.rank} holds data {self.data_digest}, not {digest}")
+        from ddipp.core import dist
+        dist.request_stop(False)  # an interrupt meant for an earlier fit
+        result = _fitting().run_fit(self.data, call, options, self.device, self.send if self.rank == 0 else None)
+        self.send(("done", result))
+
+
+def _fitting():
+    """What a fit does on a rank: the notebook module of the adapter ddipp picked for the installed fastai."""
+    import importlib
+
+    import ddipp
+    return importlib.import_module(f"ddipp.fastai{ddipp.FASTAI_MAJOR}.notebook.fitting")
+
+
+def _pickled_exception(e: BaseException):
+    import cloudpickle
+    try:
+        return cloudpickle.dumps(e)
+    except Exception:
+        return None
+
+
+def main() -> None:
+    """Entry point of a worker process (see `WorkerGroup`)."""
+    _exit_with_parent()
+    conn = Connection(int(os.environ[CONNECTION_FD_ENV]))
+    try:
+        worker = Worker(conn)
+    except BaseException as e:
+        send(conn, ("error", _pickled_exception(e), traceback.format_exc()))
+        raise
+    worker.serve()
+    from ddipp.core import dist
+    dist.teardown()

@@ -1,0 +1,366 @@
+"""fastai v1 callbacks that make a fit distributed: DistributedCallback, LRFinderBypassCallback, GCCallback.
+
+fastai 1.0.61 reads WORLD_SIZE/RANK itself, and ddipp relies on that where it is right: `save`/`export`
+write on rank 0 only, `load`/`load_data`/`load_learner` wait at a barrier first (so every rank reads what
+rank 0 wrote). It neutralises the rest: validation sees the whole batch on every rank (so fastai's
+per-batch metric all-reduce averages equal values), lr_find is stopped by LRFinderBypassCallback (fastai
+lets it run to the epoch's end under DDP), and Learner.validate(), which calls on_train_begin without
+on_train_end, is recognised (it has no progress bar) and left undistributed (under to_ddp() it averages its
+metrics on each rank alone: ddipp.fastai1.learner.RankValidate).
+"""
+import gc
+import math
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import fastprogress.fastprogress
+import numpy as np
+import torch
+import torch.distributed as dist
+from fastai.basic_train import Learner, LearnerCallback
+from fastai.callback import SmoothenValue
+from fastai.callbacks import CSVLogger, OverSamplingCallback
+from fastai.train import AccumulateScheduler
+from fastai.text.data import pad_collate
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..core import dist as ddist
+from ..core.sharding import pad_to_longest, unshard
+from .loaders import repeat_passes, shard_eval_loader, shard_train_loader
+from ..core.syncbn import convert_sync_bn
+
+
+class DistributedCallback(LearnerCallback):
+    """Trains on every rank with DDP: shards the loaders' own order, validates exactly, records global numbers.
+
+    At on_train_begin it wraps the model and shards the loaders, before the other callbacks' on_train_begin
+    (schedules count the sharded batches); at on_train_end it puts the plain model and the original
+    loaders back, also when the fit raised: then every rank leaves the process group before the other callbacks'
+    on_train_end (fastai's load waits at a barrier), so that the collectives of ranks still training fail at once
+    instead of at the timeout; the next fit joins a new group."""
+    _order = -20  # before Recorder (-10): it must record the global loss, and stay silent on rank > 0
+
+    def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None):
+        super().__init__(learn)
+        self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
+        self.distributed = self.fitting = self.stopping = False
+        self.unmute = lambda: None
+
+    def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
+        if pbar is None or not ddist.init():  # Learner.validate() (no bar, no on_train_end), or not launched
+            return
+        self.fitting = True
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        data = self.learn.data
+        sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, _broadcast_seed())
+        if len(sharded) == 0:  # refused before anything changes
+            raise ValueError(_no_batch(data.train_dl, self.world_size))
+        _check_callbacks(self.learn)
+        if self.rank != 0:
+            self.learn.recorder.silent = True
+            hide_progress_bars()
+            self.unmute = _csv_loggers_aside(self.learn)
+        self.smoother = SmoothenValue(0.98)
+        self.summed_loss = getattr(self.learn.loss_func, "reduction", "mean") == "sum"
+        self.model = self.learn.model
+        self.learn.model = self._wrap(self.model)
+        self.train_dl, self.valid_dl = data.train_dl, data.valid_dl
+        data.train_dl = sharded
+        self.train_sampler = data.train_dl.dl.batch_sampler.sampler
+        self.unscale = _rescale_schedule(self.learn, len(self.train_dl) * n_epochs, len(data.train_dl) * n_epochs)
+        self.lm_streams = getattr(data.train_dl.dl.dataset, "set_epoch", None)  # language-model streams
+        self.padding = _padding(self.train_dl)
+        self.eval_batches = None
+        if self.valid_dl is not None:
+            data.valid_dl = shard_eval_loader(self.valid_dl, self.rank, self.world_size)
+            self.eval_batches = data.valid_dl.dl.batch_sampler
+        self.distributed = True
+
+    def _wrap(self, model: nn.Module) -> DistributedDataParallel:
+        device = ddist.device()
+        self.undo_sync_bn = lambda: None
+        if self.sync_bn:
+            self.undo_sync_bn = convert_sync_bn(model)
+        find_unused = self.find_unused_parameters
+        if find_unused is None:  # fastai's RNNs (AWD-LSTM) leave some parameters out of some steps
+            find_unused = hasattr(model, "reset")
+        ddp = ResettableDDP if hasattr(model, "reset") else DistributedDataParallel
+        return ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   find_unused_parameters=find_unused)
+
+    def undistribute(self) -> None:
+        """Put back the plain model and the original loaders; the rest of the fit runs as one process."""
+        if not self.distributed:
+            return
+        self.learn.model, self.learn.data.train_dl, self.learn.data.valid_dl = self.model, self.train_dl, self.valid_dl
+        self.undo_sync_bn()
+        self.unscale()
+        self.distributed = False
+
+    def read_passes(self, passes: int) -> None:
+        """Each epoch of this fit reads the shard `passes` times, each pass in a new order (`RepeatedBatches`)."""
+        self.learn.data.train_dl = repeat_passes(self.learn.data.train_dl, passes)
+
+    def on_epoch_begin(self, epoch: int, **kwargs) -> None:
+        if self.distributed:
+            self.train_sampler.set_epoch(epoch)
+            if self.lm_streams:
+                self.lm_streams(epoch)
+            self.valid_batch = 0
+
+    def _validating(self, train: bool) -> bool:
+        return self.distributed and not train and self.eval_batches is not None
+
+    def on_batch_begin(self, last_input, last_target, train: bool, **kwargs):
+        if self.stopping:
+            raise ddist.StopRequested("ddipp: the fit was interrupted; every rank stopped after the same step")
+        changes = {}
+        if self.distributed and self.padding:  # padded text: as long as the global batch, as one process pads it
+            changes["last_input"] = pad_to_longest(last_input, *self.padding)
+        if self._validating(train):
+            changes["last_target"] = unshard(last_target, self.eval_batches.sizes(self.valid_batch))
+        return changes or None
+
+    def on_loss_begin(self, last_output, train: bool, **kwargs):
+        if self._validating(train):
+            return {"last_output": unshard(last_output, self.eval_batches.sizes(self.valid_batch))}
+
+    def on_backward_begin(self, last_loss, **kwargs):
+        if not self.distributed:
+            return
+        loss_and_stop = torch.stack([last_loss.detach().float(), last_loss.new_tensor(ddist.stop_requested()).float()])
+        dist.all_reduce(loss_and_stop)  # a stop asked on any rank reaches every rank at this same step
+        loss, stop = loss_and_stop.cpu()
+        self.global_loss = loss if self.summed_loss else loss / self.world_size  # the loss of the global batch
+        self.smoother.add_value(self.global_loss)
+        self.stopping = bool(stop)
+        return {"smooth_loss": self.smoother.smooth}
+
+    def on_batch_end(self, train: bool, last_loss, **kwargs):
+        if self._validating(train):
+            self.valid_batch += 1
+        elif self.distributed and train:  # the loss of the global batch: decisions on it (TerminateOnNaN) agree
+            return {"last_loss": self.global_loss.to(last_loss.device, last_loss.dtype)}
+
+    def on_train_end(self, exception, **kwargs) -> None:
+        self.undistribute()
+        self.unmute()
+        self.unmute = lambda: None
+        fitting, self.fitting = self.fitting, False
+        if not (fitting and dist.is_initialized()):
+            return
+        if exception:  # before any other callback's collective could wait for a peer
+            if ddist.peer_failure(exception):
+                exception.add_note("ddipp: this rank stopped because another rank failed; that rank's error is "
+                                   "the one to read")
+            ddist.leave()
+            return
+        try:  # what rank 0 wrote during the fit exists for all (SaveModelCallback's on_train_end looks for it)
+            dist.barrier()
+        except Exception as e:
+            if ddist.peer_failure(e):  # a rank failed at the very end
+                ddist.leave()
+            raise
+
+
+def _check_callbacks(learn: Learner) -> None:
+    """ValueError for the fastai callbacks that cannot train as one process does under DDP, saying what to do."""
+    def used(cls) -> bool:
+        return any(getattr(f, "func", f) is cls for f in learn.callback_fns) or any(
+            isinstance(cb, cls) for cb in learn.callbacks)
+    reduction = getattr(learn.loss_func, "reduction", "sum")
+    if used(AccumulateScheduler) and reduction != "sum":  # it divides the gradients by this rank's samples
+        raise ValueError(f"AccumulateScheduler with a loss of reduction={reduction!r} would step with N times one "
+                         "process's gradient under DDP: use a loss with reduction='sum', as fastai advises for it")
+    if used(OverSamplingCallback):  # it replaces the sharded training loader with a draw of its own on every rank
+        raise ValueError("OverSamplingCallback would make every rank draw its own sample of the whole training set: "
+                         "give the training DataLoader a WeightedRandomSampler instead, which ddipp shards like any "
+                         "sampler (one draw, every rank its part)")
+
+
+def _no_batch(loader, world_size: int) -> str:
+    """Why a rank's shard of `loader` makes no batch, and the largest batch size that works."""
+    batches = loader.dl.batch_sampler
+    share = len(batches.sampler) // world_size
+    return (f"the per-process batch size {batches.batch_size} is larger than a rank's share of the training set "
+            f"({len(batches.sampler)} items / {world_size} ranks = {share}) and drop_last leaves no batch: use "
+            f"bs <= {share} (each rank takes bs items a step; the global batch is bs x {world_size})")
+
+
+class ResettableDDP(DistributedDataParallel):
+    """DDP of a fastai RNN: `reset()`, which fastai's RNNTrainer calls every epoch, reaches the wrapped model."""
+
+    def reset(self) -> None:
+        self.module.reset()
+
+
+def _rescale_schedule(learn: Learner, unsharded: int, sharded: int):
+    """Fit the phases of a GeneralScheduler planned for `unsharded` steps to `sharded` steps; returns the undo.
+
+    fastai's FlatCosAnnealScheduler (fit_fc) reads len(train_dl) when it is built, before the fit shards the
+    loader: under DDP it plans N times the steps a rank takes, so the lr never leaves its flat phase. Phase ends
+    are scaled and rounded down (as fastai rounds them); a schedule of any other total is left alone."""
+    sched = getattr(learn, "general_scheduler", None)
+    if sched is None or unsharded == sharded or sum(p.length for p in sched.phases) != unsharded:
+        return lambda: None
+    lengths = [p.length for p in sched.phases]
+    ends = [end * sharded // unsharded for end in np.cumsum(lengths)]
+    _set_lengths(sched.phases, np.diff(ends, prepend=0))
+    return lambda: _set_lengths(sched.phases, lengths)
+
+
+def _set_lengths(phases, lengths) -> None:
+    for phase, length in zip(phases, lengths):
+        phase.length = int(length)
+        for scheduler in phase.scheds.values():
+            scheduler.n_iter = max(1, int(length))  # as fastai's Scheduler clamps it
+
+
+def _padding(loader):
+    """(pad_idx, pad_first) when `loader` pads text with fastai's pad_collate, else None."""
+    collate = loader.collate_fn
+    if isinstance(collate, partial) and collate.func is pad_collate:
+        return collate.keywords.get("pad_idx", 1), collate.keywords.get("pad_first", True)
+    return None
+
+
+def _csv_loggers_aside(learn: Learner):
+    """Point the learner's CSVLoggers at files without a name (rank 0 alone writes the real file); returns the undo."""
+    loggers = [cb for cb in [*vars(learn).values(), *learn.callbacks] if isinstance(cb, CSVLogger)]
+    paths = [cb.path for cb in loggers]
+    for cb in loggers:
+        cb.path = UnnamedFile()
+
+    def undo():
+        for cb, path in zip(loggers, paths):
+            cb.path = path
+    return undo
+
+
+class UnnamedFile:
+    """A path whose `open` makes a file with no name (tempfile.TemporaryFile): nothing stays on disk, however the
+    process ends (a failed, interrupted or killed fit). Not os.devnull: CSVLogger fsyncs its file, which /dev/null
+    refuses."""
+
+    @property
+    def parent(self) -> Path:  # CSVLogger makes its file's folder: this one exists
+        return Path(tempfile.gettempdir())
+
+    def exists(self) -> bool:
+        return False
+
+    def open(self, mode: str):
+        return tempfile.TemporaryFile(mode)
+
+
+def hide_progress_bars() -> None:
+    """No fastprogress bars in this process (ranks other than 0: rank 0 draws them for everybody)."""
+    fastprogress.fastprogress.NO_BAR = True
+
+
+def _broadcast_seed() -> int:
+    """A seed drawn on rank 0 and shared by all ranks, for the order of this fit's shuffles."""
+    seed = [int(torch.randint(0, 2**31 - 1, ()))]
+    dist.broadcast_object_list(seed, src=0)
+    return seed[0]
+
+
+LR_FIND_MODES = ("solo", "distributed")
+
+
+class LRFinderBypassCallback(LearnerCallback):
+    """`lr_find` under DDP: sweeps once and leaves every rank in the same state (weights, optimizer, recorder).
+
+    mode='solo': rank 0 sweeps alone on the whole data (what one GPU would show) while the others wait,
+    then the recorder and the optimizer's hyper-parameters are broadcast. mode='distributed': all ranks sweep with
+    the global batch, for the sweep's num_it steps as one process with that batch does."""
+    _order = 1  # after fastai's LRFinder (0), which it recognises and stops
+
+    def __init__(self, learn: Learner, mode: str = "solo"):
+        super().__init__(learn)
+        if mode not in LR_FIND_MODES:
+            raise ValueError(f"mode={mode!r}: use 'solo' (rank 0 sweeps alone) or 'distributed' (global batch)")
+        self.mode, self.sweeping = mode, False
+
+    def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
+        # fastai's LRFinder marks its fit's bar clean_on_interrupt in its own on_train_begin, which ran just before
+        self.sweeping = getattr(pbar, "clean_on_interrupt", False) and dist.is_initialized()
+        if self.sweeping and self.mode == "solo":
+            self.learn.distributed_callback.undistribute()
+        elif self.sweeping:
+            self._cover_the_sweep(n_epochs)
+
+    def _cover_the_sweep(self, n_epochs: int) -> None:
+        """Give the fit's epochs the sweep's num_it batches: fastai counts them on the unsharded loader (and a notebook
+        without WORLD_SIZE), so the shard would run out after about 1/N of the sweep, far below end_lr."""
+        steps = self.learn.lr_finder.sched.n_iter
+        passes = math.ceil(steps / (n_epochs * len(self.learn.data.train_dl)))
+        if passes > 1:
+            self.learn.distributed_callback.read_passes(passes)
+
+    def _waiting(self) -> bool:
+        """True on the ranks that only wait for rank 0's solo sweep."""
+        return self.sweeping and self.mode == "solo" and dist.get_rank() != 0
+
+    # A waiting rank runs one forward pass with no backward or step: a fastai fit needs one batch to end.
+    def on_backward_begin(self, **kwargs):
+        if self._waiting():
+            return {"skip_bwd": True}
+
+    def on_backward_end(self, **kwargs):
+        if self._waiting():
+            return {"skip_step": True}
+
+    def on_step_end(self, **kwargs):
+        if self._waiting():
+            return {"skip_zero": True}
+
+    def on_batch_end(self, **kwargs):
+        # fastai's LRFinder never stops under WORLD_SIZE > 1, so the stop is made here
+        if self._waiting() or (self.sweeping and self.learn.lr_finder.stop is not False):
+            return {"stop_epoch": True, "stop_training": True}
+
+    def on_train_end(self, **kwargs) -> None:
+        # LRFinder.on_train_end already reloaded the pre-sweep weights on every rank (after fastai's load barrier)
+        if self.sweeping and self.mode == "solo" and dist.is_initialized():  # not after a failure (left the group)
+            state = [_sweep_state(self.learn)]
+            dist.broadcast_object_list(state, src=0)
+            _set_sweep_state(self.learn, state[0])
+        self.sweeping = False
+
+
+# What a sweep changes besides the weights: the recorder's history, and the optimizer's hyper-parameters (its
+# parameter groups were reloaded from the pre-sweep file on every rank; fastai leaves the last scheduled lr in _lr).
+_RECORDED = ("lrs", "moms", "losses", "nb_batches", "val_losses", "metrics")
+_HYPER = ("_lr", "_mom", "_beta", "_wd")
+
+
+def _sweep_state(learn: Learner) -> dict:
+    return dict(recorder={k: getattr(learn.recorder, k) for k in _RECORDED},
+                opt={k: getattr(learn.opt, k) for k in _HYPER})
+
+
+def _set_sweep_state(learn: Learner, state: dict) -> None:
+    vars(learn.recorder).update(state["recorder"])
+    vars(learn.opt).update(state["opt"])  # as fastai's OptimWrapper.load_with_state_and_layer_group sets them
+
+
+class GCCallback(LearnerCallback):
+    """At the end of every fit: `gc.collect()` and, with CUDA, `torch.cuda.empty_cache()`; reports when verbose."""
+
+    def __init__(self, learn: Learner, verbose: bool = False):
+        super().__init__(learn)
+        self.verbose = verbose
+
+    def on_train_end(self, **kwargs) -> None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        reserved = torch.cuda.memory_reserved() if cuda else 0
+        objects = gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        if self.verbose:
+            freed = (reserved - torch.cuda.memory_reserved()) / 2**20 if cuda else 0.0
+            print(f"GCCallback (rank {ddist.rank()}): collected {objects} objects, "
+                  f"released {freed:.1f} MiB of CUDA cache")

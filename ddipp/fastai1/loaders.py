@@ -1,0 +1,98 @@
+"""fastai v1 loaders sharded across ranks (ddipp.core.sharding over fastai's samplers, SortishSampler and LM streams)."""
+import numpy as np
+from fastai.basic_data import DeviceDataLoader
+from fastai.text.data import LanguageModelPreLoader, SortishSampler
+from torch.utils.data import BatchSampler, Sampler, SequentialSampler
+
+from ..core.sharding import RepeatedBatches, ShardedEvalBatchSampler, ShardedSampler, global_rngs_seeded
+from .compat import sortish_chunks
+
+
+class GlobalSortishSampler(SortishSampler):
+    """fastai's SortishSampler with batches of the global batch size N*b, the one short batch last.
+
+    Each global batch is a run of similar lengths, so every rank's batch of b is too; keeping the short
+    batch last keeps the later global batches aligned with the ranks' batches."""
+
+    def __iter__(self):
+        first, rest = sortish_chunks(self)
+        full = [ck for ck in rest if len(ck) == self.bs]
+        short = [ck for ck in rest if len(ck) < self.bs]
+        full = [full[i] for i in np.random.permutation(len(full))]
+        return iter(np.concatenate([first, *full, *short]).astype(np.int64))
+
+
+class ShardedLMStreams(LanguageModelPreLoader):
+    """fastai's language-model streams of `preloader` with one row per item of the global batch (`streams`).
+
+    Sharded by position, rank r trains on rows r, r+N, ...: each its own contiguous stream, the rows of all
+    ranks a partition of the corpus. The documents are shuffled alike on every rank, anew each epoch
+    (`set_epoch`), with the shared `seed`."""
+
+    def __init__(self, preloader: LanguageModelPreLoader, streams: int, seed: int):
+        super().__init__(preloader.dataset, preloader.lengths, streams, preloader.bptt, preloader.backwards,
+                         preloader.shuffle)
+        self.bs, self.seed, self.epoch = streams, seed, 0  # fastai multiplied bs by WORLD_SIZE: undo that
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_epoch_begin(self, **kwargs) -> None:
+        if self.idx is None:
+            self.allocate_buffers()  # so that fastai shuffles the documents in the first epoch too
+        with global_rngs_seeded(self.seed + self.epoch):
+            super().on_epoch_begin()
+
+
+def _train_sampler(sampler: Sampler, world_size: int) -> Sampler:
+    """The order to shard: fastai's SortishSampler buckets over the global batch, so each rank's batch is alike."""
+    if isinstance(sampler, SortishSampler):
+        return GlobalSortishSampler(sampler.data_source, sampler.key, sampler.bs * world_size)
+    return sampler
+
+
+def shard_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, seed: int) -> DeviceDataLoader:
+    """A copy of `loader` that yields rank `rank`'s shard of its order, in batches of the same size.
+
+    A language-model loader gets streams for the global batch (`ShardedLMStreams`), read in order."""
+    batches, dataset = loader.dl.batch_sampler, loader.dl.dataset
+    sampler = _train_sampler(batches.sampler, world_size)
+    if isinstance(dataset, LanguageModelPreLoader):
+        dataset = ShardedLMStreams(dataset, batches.batch_size * world_size, seed)
+        sampler = SequentialSampler(dataset)
+    sampler = ShardedSampler(sampler, rank, world_size, seed)
+    return _with(loader, dataset, BatchSampler(sampler, batches.batch_size, batches.drop_last))
+
+
+def repeat_passes(loader: DeviceDataLoader, passes: int) -> DeviceDataLoader:
+    """A copy of the sharded training `loader` whose every epoch reads its shard `passes` times (RepeatedBatches)."""
+    return _with(loader, loader.dl.dataset, RepeatedBatches(loader.dl.batch_sampler, passes))
+
+
+def shard_eval_loader(loader: DeviceDataLoader, rank: int, world_size: int) -> DeviceDataLoader:
+    """A copy of `loader` whose batch k is rank `rank`'s part of the loader's batch k.
+
+    A language-model loader's batch k is step k of all its streams (`lm_eval_loader`), whatever batch size the
+    loader has: each rank keeps the same rows at every step."""
+    loader = lm_eval_loader(loader)
+    batches = ShardedEvalBatchSampler(list(loader.dl.batch_sampler), rank, world_size)
+    return _with(loader, loader.dl.dataset, batches)
+
+
+def lm_eval_loader(loader: DeviceDataLoader) -> DeviceDataLoader:
+    """`loader`, or for a language model's loader whose batches are smaller than its streams, a copy whose batch k
+    is step k of all the streams: the single-process loader with the global batch.
+
+    fastai builds a launched process's preloader with bs·N streams but its loader with batches of bs, so a rank's
+    rows would hop between streams from batch to batch (validate() and get_preds() outside a fit)."""
+    dataset = loader.dl.dataset
+    if not isinstance(dataset, LanguageModelPreLoader) or loader.dl.batch_sampler.batch_size == dataset.bs:
+        return loader
+    return _with(loader, dataset, BatchSampler(SequentialSampler(dataset), dataset.bs, drop_last=False))
+
+
+def _with(loader: DeviceDataLoader, dataset, batch_sampler: Sampler) -> DeviceDataLoader:
+    """A copy of `loader` reading `dataset` in the batches of `batch_sampler`."""
+    kwargs = dict(loader.dl.init_kwargs, batch_sampler=batch_sampler, batch_size=1, shuffle=False, sampler=None,
+                  drop_last=False)
+    return DeviceDataLoader(loader.dl.__class__(dataset, **kwargs), loader.device, loader.tfms, loader.collate_fn)

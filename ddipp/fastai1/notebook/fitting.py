@@ -1,0 +1,147 @@
+"""One notebook fit, both halves: the call the notebook sends, the fit a worker runs, the results that come back.
+
+The notebook's learner travels with everything but its data (which the workers already keep); the fit runs
+with ddipp's callbacks as in a launched script; rank 0 sends back what a local fit would have changed on the
+learner: weights, optimizer state, and the callbacks it attached (the recorder among them).
+"""
+import copy
+import io
+import random
+import sys
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+import torch
+from fastai.basic_data import DataBunch
+from fastai.basic_train import Learner
+from fastai.callback import Callback
+
+from ...core import dist as ddist
+from ...core.group.wire import dumps, loads, unpicklable_path
+from .progress import ProgressRelay, relayed_output
+from .shipping import data_objects, learner_objects, loaders, move_optimizer_state
+
+
+def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
+    """The notebook's half: `learn.fit(epochs, lr, wd, callbacks)` as bytes, the learner's data as a reference.
+
+    It carries a seed drawn from the notebook's torch generator: a notebook that seeds torch gets the same
+    shuffles, dropout and augmentations on the workers run after run, as a local fit would."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    call = dict(learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks, seed=seed)
+    try:
+        return dumps(call, objects=data_objects(learn.data), learner=learn)
+    except Exception as e:
+        path = unpicklable_path(dict(learn=learn, callbacks=callbacks), {**data_objects(learn.data), "learn": learn})
+        raise TypeError(f"ddipp sends the learner to its worker processes, and {path} cannot be pickled ({e}); "
+                        f"set it to None or delete it before the fit, or make its class picklable") from e
+
+
+def place_data(data: DataBunch, device: torch.device) -> DataBunch:
+    """Make `data` deliver its batches on `device` (the notebook's may be another GPU, or none)."""
+    data.device = device
+    for dl in loaders(data).values():
+        dl.device = device
+    return data
+
+
+def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
+            send: Optional[Callable[[tuple], None]]) -> Optional[List[bytes]]:
+    """A worker's half: run the call under DDP; on rank 0 (the one given `send`) relay progress, return results.
+
+    A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
+    local fit: what was trained so far comes back."""
+    request = loads(call, data_objects(data), device)
+    _seed(request["seed"])  # every rank alike, as a launched script that seeds does
+    learn = request["learn"]
+    learn.model.to(device)
+    move_optimizer_state(learn)
+    learn.to_ddp(**options)
+    callbacks = request["callbacks"] + ([ProgressRelay(send)] if send else [])
+    try:
+        with relayed_output(send):
+            learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks)
+    except ddist.StopRequested:
+        pass
+    return None if send is None else results(learn)
+
+
+def results(learn: Learner) -> List[bytes]:
+    """What a fit changed on the learner, in parts that come back one after the other: the weights and optimizer
+    state first, on their own; then the callbacks, together, or (if that fails) each alone and without what of it
+    cannot be pickled (a CSVLogger keeps its closed file): an unpicklable attribute never costs the weights."""
+    objects = learner_objects(learn)
+    parts = [dumps(dict(state=learn.model.state_dict(), opt=learn.opt), objects=objects)]
+    objects["opt"] = learn.opt  # the callbacks (the recorder) hold the same optimizer: a reference to the first part's
+    callbacks = dict(callbacks=learn.callbacks, attrs=_attached_callbacks(learn))
+    try:
+        return parts + [dumps(callbacks, objects=objects)]
+    except Exception:
+        pass
+    notes = []
+    for group, items in callbacks.items():
+        for key, callback in (enumerate(items) if group == "callbacks" else items.items()):
+            path = f"learn.callbacks[{key}]" if group == "callbacks" else f"learn.{key}"
+            parts.append(dumps((group, key, _travelling(callback, path, objects, notes)), objects=objects))
+    return parts + [dumps(("notes", notes))]
+
+
+def _travelling(callback: Callback, path: str, objects: dict, notes: list) -> Optional[Callback]:
+    """`callback`, or a copy without the attributes that cannot be pickled (None there), or None; `notes` says which."""
+    try:
+        dumps(callback, objects)
+        return callback
+    except Exception as e:
+        error = e
+    stripped = copy.copy(callback)
+    dropped = []
+    for name, value in vars(callback).items():
+        try:
+            dumps(value, objects)
+        except Exception:
+            setattr(stripped, name, None)
+            if not (isinstance(value, io.IOBase) and value.closed):  # a closed file holds nothing to lose
+                dropped.append(name)
+    try:
+        dumps(stripped, objects)
+    except Exception:
+        notes.append(f"{path} ({type(callback).__name__}) stayed on the workers: it cannot be pickled ({error})")
+        return None
+    if dropped:
+        notes.append(f"{path} ({type(callback).__name__}) came back with {', '.join(dropped)} set to None: "
+                     f"{'it' if len(dropped) == 1 else 'they'} cannot be pickled ({error})")
+    return stripped
+
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _attached_callbacks(learn: Learner) -> dict:
+    """The callbacks a fit left as attributes of the learner (learn.recorder, ...), ddipp's own excepted."""
+    return {name: value for name, value in vars(learn).items()
+            if isinstance(value, Callback) and not type(value).__module__.startswith("ddipp.")}
+
+
+def apply_results(learn: Learner, parts: List[bytes], bar: Any) -> None:
+    """The notebook's half again: leave `learn` as the fit on rank 0 left its copy."""
+    objects = {**learner_objects(learn), "bar": bar}
+    got = loads(parts[0], objects, learn.data.device)
+    learn.model.load_state_dict(got["state"])
+    learn.opt = got["opt"]
+    move_optimizer_state(learn)
+    objects["opt"] = learn.opt
+    got = [loads(part, objects, learn.data.device) for part in parts[1:]]
+    if len(got) == 1:
+        learn.callbacks = got[0]["callbacks"]
+        attrs = got[0]["attrs"]
+    else:
+        *each, (_, notes) = got
+        learn.callbacks = [cb for group, _, cb in each if group == "callbacks" and cb is not None]
+        attrs = {key: cb for group, key, cb in each if group == "attrs" and cb is not None}
+        for note in notes:
+            print(f"ddipp: {note}", file=sys.stderr)
+    for name, callback in attrs.items():
+        setattr(learn, name, callback)

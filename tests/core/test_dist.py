@@ -1,0 +1,47 @@
+"""The rank helpers: single-process values when not launched, the group's values in a real 2-process run."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddipp
+from conftest import launch_2_ranks
+from ddipp.core import dist
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", dist.DEVICES_ENV)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_single_process_values_when_not_launched(clean_env):
+    assert not dist.launched()
+    assert (ddipp.rank(), ddipp.world_size(), ddipp.is_rank0()) == (0, 1, True)
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert ddipp.device() == expected
+    ddipp.barrier()  # returns at once: there is nobody to wait for
+    assert not dist.init() and not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("devices, local_rank, expected", [
+    ("3,1", 0, "cuda:3"), ("3,1", 1, "cuda:1"), ("0,3", 1, "cuda:3"), ("3,2,1,0", 2, "cuda:1"), ("cpu", 1, "cpu")])
+def test_local_rank_i_runs_on_the_ith_listed_device(clean_env, devices, local_rank, expected):
+    clean_env.setenv(dist.DEVICES_ENV, devices)
+    clean_env.setenv("LOCAL_RANK", str(local_rank))
+    assert ddipp.device() == torch.device(expected)
+
+
+def test_helpers_in_a_two_process_gloo_group(tmp_path):
+    launch_2_ranks(Path(__file__).parents[1] / "fastai1" / "workers" / "dist_worker.py", tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, got in enumerate(ranks):
+        assert got["before_init"] == dict(rank=r, world_size=2, device="cpu")
+        assert (got["rank"], got["world_size"], got["is_rank0"]) == (r, 2, r == 0)
+        assert got["device"] == got["fastai_device"] == "cpu"
+        assert got["backend"] == "gloo"
+        assert got["marker_seen_after_barrier"]

@@ -1,0 +1,265 @@
+"""Notebook mode: a learner bound with to_ddp(nprocs=2) in this plain process fits on a worker group and
+gets back what a launched run and one process (the `ranks` and `reference` fixtures) get."""
+import re
+from functools import partial
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from fastai.callbacks import (CSVLogger, EarlyStoppingCallback, LossMetrics, OverSamplingCallback,
+                              ReduceLROnPlateauCallback, SaveModelCallback, TerminateOnNaNCallback)
+from fastai.train import AccumulateScheduler, BnFreeze, GradientClipping, ShowGraph
+from torch import nn
+
+from ddipp.core.group.group import _groups
+from scenario import (TOL, between_fits, close, digits_data, digits_learner, history, max_diff, params, story,
+                      tabular_digits_learner)
+
+CPU2 = ("cpu", "cpu")
+
+
+@pytest.fixture(scope="module")
+def notebook(tmp_path_factory):
+    """The scenario's story played by a notebook-mode learner (per-rank batch 16), and the workers' pids."""
+    learn = digits_learner(digits_data(tmp_path_factory.mktemp("nb"), bs=16)).to_ddp(nprocs=2)
+    pids = [p.pid for p in _groups[CPU2].procs]
+    res = story(learn)
+    res["pids"] = pids, [p.pid for p in _groups[CPU2].procs]
+    return res
+
+
+@pytest.mark.parametrize("stage", ["params_fit", "params_frozen", "params_unfrozen", "params_loaded"])
+def test_the_notebook_learner_gets_the_weights_a_launched_run_and_one_process_train(notebook, ranks, reference,
+                                                                                     stage):
+    (r0, _), _ = ranks
+    assert max_diff(notebook[stage], r0["story"][stage]) == 0
+    assert max_diff(notebook[stage], reference[stage]) <= TOL
+
+
+@pytest.mark.parametrize("stage", ["fit", "fit_frozen", "fit_unfrozen", "sweep_before", "sweep_after"])
+def test_the_notebook_recorder_is_the_launched_one(notebook, ranks, stage):
+    (r0, _), _ = ranks
+    assert notebook[stage] == r0["story"][stage]
+
+
+def test_validate_and_get_preds_in_the_notebook_after_remote_fits(notebook, reference):
+    assert notebook["plot"] and notebook["restored"]
+    assert close(notebook["validate"], reference["validate"])
+    assert max_diff([notebook["preds"]], [reference["preds"]]) <= TOL
+
+
+def test_fits_reuse_the_same_workers(notebook):
+    started, finished = notebook["pids"]
+    assert started == finished and len(set(started)) == 2
+
+
+def test_changes_made_between_fits_are_honoured(tmp_path):
+    group_fits = between_fits(digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2), bs=16)
+    single = between_fits(digits_learner(digits_data(tmp_path / "one", bs=32)), bs=32)
+    assert group_fits["batches"] == single["batches"] == 2 * ((1797 - 101) // 32)  # the last fit: 2 epochs
+    assert len(group_fits["metrics"][-1]) == 3  # accuracy, FBeta and the lambda, over 101 items
+    assert close({k: v for k, v in group_fits.items() if k not in ("params", "opt_state")},
+                 {k: v for k, v in single.items() if k not in ("params", "opt_state")})
+    assert max_diff(group_fits["params"], single["params"]) <= TOL
+    assert max_diff(group_fits["opt_state"], single["opt_state"]) <= TOL  # Adam's moments came back too
+
+
+def test_a_notebook_that_seeds_torch_gets_the_same_numbers_run_after_run(tmp_path):
+    def seeded_run():
+        learn = digits_learner(digits_data(tmp_path, bs=16, shuffle=True)).to_ddp(nprocs=2)
+        torch.manual_seed(7)
+        learn.fit(1, 1e-2)
+        return params(learn)
+    assert max_diff(seeded_run(), seeded_run()) == 0
+
+
+def test_unchanged_data_is_sent_once(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    group = _groups[CPU2]
+    learn.fit(1, 1e-2)
+    first = group.last_sent
+    assert learn.recorder.opt is learn.opt  # as after a local fit: one optimizer, not a copy per part of the results
+    learn.fit(1, 1e-2)
+    again = group.last_sent
+    learn.data = digits_data(tmp_path, bs=16)  # an equal copy: nothing to send either
+    learn.fit(1, 1e-2)
+    assert first["data"] > 400_000 and again["data"] == 0 and group.last_sent["data"] == 0
+    assert 0 < again["call"] < first["data"] / 10
+
+
+def test_rank0_prints_and_the_results_table_show_here_like_a_local_fit(tmp_path, capsys):
+    import ddipp
+    from fastai.basic_train import LearnerCallback
+
+    class Hello(LearnerCallback):
+        def on_train_begin(self, **kwargs):
+            print(f"hello from rank {ddipp.rank()}")
+
+    local = digits_learner(digits_data(tmp_path, bs=32))
+    local.callback_fns.append(Hello)
+    local.fit(2, 1e-2)
+    local_out = capsys.readouterr().out
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    learn.callback_fns.append(Hello)
+    learn.fit(2, 1e-2)
+    remote_out = capsys.readouterr().out
+    assert remote_out.count("hello from rank 0") == 1 and "hello from rank 1" not in remote_out
+
+    header = "epoch     train_loss  valid_loss  accuracy  batch_max_prob  f_beta    time"
+    assert remote_out.count(header) == local_out.count(header) == 1
+
+    def epochs(out):  # the first column of the table's rows
+        return re.findall(r"(\d+) +\d+\.\d{6} +\d+\.\d{6} +\d\.\d{6} +\d\.\d{6} +\d\.\d{6} +\d\d:\d\d", out)
+    assert epochs(remote_out) == epochs(local_out) == ["0", "1"]
+    assert "Epoch 2/2" in remote_out and "[44/44" in remote_out  # the console bars, with rank 0's batches
+
+
+def test_a_language_model_trains_in_notebook_mode_as_one_process_does(tmp_path):
+    import apps  # the text task of tests/test_apps.py (tests/workers)
+
+    def trained(learn):
+        learn.callback_fns.append(apps.ResetBeforeValidation)
+        learn.fit_one_cycle(4, 2e-2)
+        return float(learn.recorder.metrics[-1][0])
+    notebook = trained(apps.lm_learner(tmp_path / "nb", bs=16).to_ddp(nprocs=2))  # 2 ranks × 16 streams
+    one = trained(apps.lm_learner(tmp_path / "one", bs=32))
+    assert abs(notebook - one) <= 0.03 and notebook >= 0.70, (notebook, one)  # tests/test_apps.py's bar for LM
+
+
+# Every callback of fastai.callbacks / fastai.train a user adds: a notebook-mode fit (2 ranks of 16) against a
+# local fit of the same learner on the global batch (32): weights, recorder, files written.
+
+class TwoPartLoss(nn.Module):
+    """A loss that reports its parts to fastai's LossMetrics."""
+    metric_names = ["ce", "l2"]
+
+    def forward(self, out, target):
+        ce, l2 = F.cross_entropy(out, target), out.pow(2).mean() * 1e-3
+        self.metrics = dict(ce=ce, l2=l2)
+        return ce + l2
+
+
+def _nan_at(data, index):
+    """`data` with one training item that makes its batch's loss NaN."""
+    data.train_dl.dl.dataset.tensors[0][index] = float("nan")
+    return data
+
+
+def _bn_model(learn):
+    torch.manual_seed(0)
+    learn.model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    learn.train_bn = False  # the frozen group's BatchNorm too: BnFreeze keeps its statistics
+    learn.split([learn.model[3]]).freeze()
+
+
+CALLBACKS = {  # name -> (set up the learner, fit it)
+    "ShowGraph": (lambda learn: learn.callback_fns.append(ShowGraph), lambda learn: learn.fit(2, 1e-2)),
+    "CSVLogger": (lambda learn: learn.callback_fns.append(CSVLogger), lambda learn: learn.fit(2, 1e-2)),
+    "SaveModelCallback-epoch": (lambda learn: learn.callback_fns.append(partial(SaveModelCallback, every="epoch")),
+                                lambda learn: learn.fit(2, 1e-2)),
+    "SaveModelCallback-improvement": (
+        lambda learn: learn.callback_fns.append(partial(SaveModelCallback, every="improvement", name="best")),
+        lambda learn: learn.fit(2, 1e-2)),
+    "EarlyStoppingCallback": (lambda learn: learn.callback_fns.append(partial(EarlyStoppingCallback, patience=0,
+                                                                              min_delta=0.3)),
+                              lambda learn: learn.fit(5, 1e-2)),
+    "ReduceLROnPlateauCallback": (
+        lambda learn: learn.callback_fns.append(partial(ReduceLROnPlateauCallback, patience=0, min_delta=0.3,
+                                                        factor=0.5)),
+        lambda learn: learn.fit(3, 1e-2)),
+    "TerminateOnNaNCallback": (lambda learn: _nan_at(learn.data, 200),
+                               lambda learn: learn.fit(2, 1e-2, callbacks=[TerminateOnNaNCallback()])),
+    "GradientClipping": (lambda learn: learn.callback_fns.append(partial(GradientClipping, clip=0.01)),
+                         lambda learn: learn.fit(2, 1e-2)),
+    "BnFreeze": (lambda learn: (_bn_model(learn), learn.callback_fns.append(BnFreeze)),
+                 lambda learn: learn.fit(2, 1e-2)),
+    "AccumulateScheduler": (lambda learn: (setattr(learn, "loss_func", nn.CrossEntropyLoss(reduction="sum")),
+                                           learn.callback_fns.append(partial(AccumulateScheduler, n_step=3))),
+                            lambda learn: learn.fit(2, 1e-3)),  # a sum over 32 items: 1e-2 would make 3e-5 of 1e-7
+    "LossMetrics": (lambda learn: (setattr(learn, "loss_func", TwoPartLoss()), learn.callback_fns.append(LossMetrics)),
+                    lambda learn: learn.fit(2, 1e-2)),
+    "GeneralScheduler-fit_fc": (lambda learn: None, lambda learn: learn.fit_fc(2, 1e-2)),
+}
+
+
+def _nan_free(numbers):
+    """`numbers` (nested lists and dicts of floats) with None for NaN, so that NaN equals NaN."""
+    if isinstance(numbers, dict):
+        return {k: _nan_free(v) for k, v in numbers.items()}
+    if isinstance(numbers, list):
+        return [_nan_free(v) for v in numbers]
+    return None if isinstance(numbers, float) and np.isnan(numbers) else numbers
+
+
+def _trained(path, bs, setup, fit, bound):
+    learn = digits_learner(digits_data(path, bs=bs))
+    setup(learn)
+    if bound:
+        learn.to_ddp(nprocs=2)
+    fit(learn)
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    return learn, files
+
+
+@pytest.mark.parametrize("name", CALLBACKS)
+def test_a_fastai_callback_in_a_notebook_fit_gives_what_a_local_fit_gives(tmp_path, name):
+    setup, fit = CALLBACKS[name]
+    local, local_files = _trained(tmp_path / "local", 32, setup, fit, bound=False)
+    remote, remote_files = _trained(tmp_path / "nb", 16, setup, fit, bound=True)
+    assert remote_files == local_files
+    for a, b in zip(params(remote) + list(remote.model.buffers()), params(local) + list(local.model.buffers())):
+        assert torch.allclose(a.float(), b.float(), atol=TOL, equal_nan=True), name
+    assert close(_nan_free(history(remote)), _nan_free(history(local)), tol=1e-4)
+    for file in local_files:
+        if file.endswith(".pth"):
+            got, want = (torch.load(tmp_path / side / file)["model"] for side in ("nb", "local"))
+            assert max_diff(list(got.values()), list(want.values())) <= TOL
+        elif file.endswith(".csv"):
+            got, want = (pd.read_csv(tmp_path / side / file).drop(columns="time") for side in ("nb", "local"))
+            assert np.allclose(got.values, want.values, atol=1e-4)
+
+
+def test_mixup_in_a_notebook_fit_trains_as_a_local_fit_does(tmp_path):
+    def accuracy_after(learn):
+        learn.mixup().fit(4, 1e-2)
+        return float(learn.recorder.metrics[-1][0])
+    remote = accuracy_after(digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2))
+    local = accuracy_after(digits_learner(digits_data(tmp_path / "local", bs=32)))
+    assert abs(remote - local) <= 0.03, (remote, local)  # the mixed pairs differ: within a rank's batch
+
+
+@pytest.mark.parametrize("name, message", [
+    ("OverSamplingCallback", "OverSamplingCallback would make every rank draw its own sample"),
+    ("AccumulateScheduler-mean", "AccumulateScheduler with a loss of reduction='mean'")])
+def test_a_callback_that_cannot_work_under_ddp_is_refused_before_the_first_step(tmp_path, name, message):
+    learn = tabular_digits_learner(tmp_path) if name == "OverSamplingCallback" else digits_learner(
+        digits_data(tmp_path, bs=16))
+    learn.callback_fns.append(OverSamplingCallback if name == "OverSamplingCallback" else AccumulateScheduler)
+    learn.to_ddp(nprocs=2)
+    before = params(learn)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        learn.fit(1, 1e-2)
+    assert max_diff(params(learn), before) == 0
+
+
+def test_binding_says_the_global_batch_once(tmp_path, capsys):
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    learn.fit(1, 1e-2)
+    learn.fit(1, 1e-2)
+    out = capsys.readouterr().out
+    assert out.count("ddipp: global batch 32 = 16 per process x 2 (an epoch takes 1/2 of the steps of one process "
+                     "with bs=16); scale the learning rate or the batch size") == 1
+    learn.to_ddp(nprocs=2)  # a new binding says it again
+    assert capsys.readouterr().out.count("ddipp: global batch 32") == 1
+
+
+def test_a_distributed_sweep_in_the_notebook_runs_its_num_it_steps_to_end_lr(tmp_path):
+    from scenario import sweep
+    learn = digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2, lr_find_mode="distributed")
+    notebook = sweep(learn, num_it=100)  # fastai plans 2 epochs here (no WORLD_SIZE in the notebook): 88 steps a rank
+    single = sweep(digits_learner(digits_data(tmp_path / "one", bs=32)), num_it=100)
+    assert len(notebook["lrs"]) == len(single["lrs"]) == 100 and notebook["lrs"][-1] > 8
+    assert close(notebook["lrs"], single["lrs"]) and notebook["kept_weights"]
+    assert close(notebook["losses"], single["losses"], tol=1e-3)  # summation order shows at lrs of 5 to 8: 4e-5

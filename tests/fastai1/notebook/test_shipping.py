@@ -1,0 +1,103 @@
+"""Pickling between the notebook and its workers: references, weak references, tensors, digests."""
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from fastai.basic_train import LearnerCallback
+
+from ddipp.fastai1.notebook.fitting import fit_call
+from ddipp.core.group.wire import digest, dumps, loads
+from ddipp.fastai1.notebook.shipping import data_objects, learner_objects
+from scenario import digits_data, digits_learner
+
+
+def test_a_learner_travels_without_its_binding_and_its_callbacks_point_at_the_copy(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16))
+    learn.fit(1, 1e-2)  # leaves learn.recorder, which holds its learner through a weak reference
+    vars(learn).update(ddp="binding", fit="bound fit")
+    copy = loads(dumps(learn, objects=data_objects(learn.data), learner=learn), data_objects(learn.data))
+    assert "ddp" not in vars(copy) and "fit" not in vars(copy) and copy.data is learn.data
+    assert copy.recorder.learn is copy and copy.model is not learn.model
+    assert all(torch.equal(a, b) for a, b in zip(copy.model.parameters(), learn.model.parameters()))
+    assert [p for g in copy.opt.opt.param_groups for p in g["params"]] == list(copy.model.parameters())
+
+
+def test_shared_objects_travel_as_references_to_the_receivers_own(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16))
+    learn.fit(1, 1e-2)
+    objects = learner_objects(learn)
+    back = loads(dumps(dict(opt=learn.opt, first=learn.model[0]), objects=objects), objects)
+    assert back["first"] is learn.model[0]
+    assert all(p is q for p, q in zip(back["opt"].opt.param_groups[0]["params"], learn.model.parameters()))
+
+
+def test_equal_data_pickles_to_an_equal_digest_with_its_arrays_out_of_band(tmp_path):
+    first, second, changed = [], [], []
+    blob = dumps(digits_data(tmp_path, bs=16), buffers=first)
+    assert digest(blob, first) == digest(dumps(digits_data(tmp_path, bs=16), buffers=second), second)
+    assert digest(blob, first) != digest(dumps(digits_data(tmp_path, bs=32), buffers=changed), changed)
+    assert len(blob) < 10_000 and sum(b.raw().nbytes for b in first) > 400_000
+    data = loads(blob, buffers=first)
+    x, _ = data.train_ds.tensors
+    x += 1  # the arrays rebuilt on received buffers are writable tensors
+
+
+def test_a_dead_weak_reference_stays_dead():
+    class Owner:
+        pass
+    owner = Owner()
+    ref = __import__("weakref").ref(owner)
+    del owner
+    gc.collect()
+    assert loads(dumps(ref))() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensors_and_parameters_land_on_the_receivers_device():
+    layer = nn.Linear(2, 2).cuda()
+    back = loads(dumps(dict(layer=layer, buf=torch.ones(2, device="cuda"))), device=torch.device("cpu"))
+    assert back["layer"].weight.device.type == "cpu" and isinstance(back["layer"].weight, nn.Parameter)
+    assert back["buf"].device.type == "cpu" and torch.equal(back["layer"].weight, layer.weight.cpu())
+
+
+class Forwarding:
+    """Forwards unknown attributes to its dataset, as fastai's LanguageModelPreLoader does."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __getattr__(self, k):
+        return getattr(self.dataset, k)
+
+
+def test_an_object_forwarding_its_attributes_travels():
+    # plain pickle recurses for ever here: it asks the half-built object for __setstate__
+    back = loads(dumps(Forwarding([3, 1, 2])))
+    assert type(back) is Forwarding and back.dataset == [3, 1, 2] and back.count(3) == 1
+
+
+def test_classes_with_a_metaclass_forwarding_attributes_travel_as_classes():
+    import enum
+    from fastai.basic_data import DatasetType  # EnumMeta has a __getattr__ on Python 3.11
+    assert loads(dumps([DatasetType, DatasetType.Valid, enum.Enum])) == [DatasetType, DatasetType.Valid, enum.Enum]
+
+
+class HoldsALock(LearnerCallback):
+    def __init__(self, learn):
+        super().__init__(learn)
+        self.lock = threading.Lock()
+
+
+def test_an_unpicklable_attribute_is_named_by_its_path(tmp_path):
+    learn = digits_learner(digits_data(tmp_path, bs=16))
+    learn.callbacks += [HoldsALock(learn)]
+    learn.callbacks[0].lock = None  # an attribute of the same name elsewhere that does pickle
+    learn.callbacks += [HoldsALock(learn)]
+    with pytest.raises(TypeError) as raised:
+        fit_call(learn, 1, 1e-2, None, [])
+    assert str(raised.value) == ("ddipp sends the learner to its worker processes, and learn.callbacks[1].lock cannot "
+                                 "be pickled (cannot pickle '_thread.lock' object); set it to None or delete it "
+                                 "before the fit, or make its class picklable")

@@ -1,0 +1,34 @@
+"""Launched on one GPU rank by tests/test_apps.py: the digits MLP trained with to_fp16 under ddipp."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+from fastai.basic_data import DataBunch
+from sklearn.datasets import load_digits
+from torch.utils.data import TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ddipp  # noqa: E402
+from scenario import digits_learner  # noqa: E402
+
+
+def fp16_fit(path) -> dict:
+    """to_fp16 and a fit on the GPU (ddipp's device when launched); whether the model ran in half precision."""
+    digits = load_digits()
+    x, y = torch.tensor(digits.data / 16, dtype=torch.float32), torch.tensor(digits.target)
+    device = ddipp.device() if ddipp.core.dist.launched() else torch.device("cuda")
+    data = DataBunch.create(TensorDataset(x[359:], y[359:]), TensorDataset(x[:359], y[:359]), bs=32, path=path,
+                            device=device, num_workers=0)
+    learn = digits_learner(data).to_ddp().to_fp16()
+    learn.model.to(device)
+    learn.fit_one_cycle(3, 1e-2)
+    return dict(final=[float(v) for v in [learn.recorder.val_losses[-1], *learn.recorder.metrics[-1]]],
+                half=next(learn.model.parameters()).dtype == torch.float16)
+
+
+if __name__ == "__main__":
+    res = fp16_fit(Path(sys.argv[1]))
+    if ddipp.is_rank0():
+        (Path(sys.argv[1]) / "rank0.json").write_text(json.dumps(res))
