@@ -122,3 +122,10 @@ def pad_to_longest(x: torch.Tensor, pad_idx: int, pad_first: bool) -> torch.Tens
     dist.all_reduce(longest, op=dist.ReduceOp.MAX)
     pads = x.new_full((x.shape[0], int(longest) - x.shape[1]), pad_idx)
     return torch.cat([pads, x] if pad_first else [x, pads], dim=1)
+
+
+def shared_seed() -> int:
+    """A seed drawn on rank 0 and sent to every rank (call it on every rank): the seed of an order all ranks shard."""
+    seed = [int(torch.randint(0, 2**31 - 1, ()))]
+    dist.broadcast_object_list(seed, src=0)
+    return seed[0]

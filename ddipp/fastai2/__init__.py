@@ -1,11 +1,14 @@
 """The fastai v2 (2.8.x) adapter: the callbacks and Learner.to_ddp / from_ddp in fastai v2's idioms (launched mode)."""
-from fastai.torch_core import defaults
-
 from ..core import dist as ddist
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
+from .checkpoint import Checkpoint
 from .learner import from_ddp, to_ddp  # also adds Learner.to_ddp / Learner.from_ddp
+from .losses import GlobalBatchLoss
+from .metrics import SumMetric
+from .throughput import Throughput
 
 if ddist.launched():
-    defaults.device = ddist.bind_device()  # data and models built next land on this rank's device
+    ddist.bind_device()  # fastai's default_device() is torch's current CUDA device: this rank's
 
-__all__ = ["DistributedCallback", "GCCallback", "LRFinderBypassCallback", "from_ddp", "to_ddp"]
+__all__ = ["Checkpoint", "DistributedCallback", "GCCallback", "GlobalBatchLoss", "LRFinderBypassCallback", "SumMetric",
+           "Throughput", "from_ddp", "to_ddp"]

@@ -1,14 +1,361 @@
-"""fastai v2 callbacks (being written)."""
-from fastai.callback.core import Callback
+"""fastai v2 callbacks that make a fit distributed: DistributedCallback, LRFinderBypassCallback, GCCallback.
+
+fastai 2.8 reads WORLD_SIZE/RANK itself, and ddipp relies on that where it is right: `save`/`export` write on rank 0
+only, `load`/`load_learner` wait at a barrier first (so every rank reads what rank 0 wrote), the smoothed training
+loss is averaged over ranks. It takes over where fastai is wrong: validation is split exactly (fastai's own
+DistributedDL pads by wrapping around and averages per rank), lr_find sweeps once (fastai's LRFinder reloads its
+weights on rank 0 only, behind a barrier the other ranks never reach).
+"""
+import copy
+import gc
+import os
+import tempfile
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from fastai.callback.core import Callback, CancelFitException
+from fastai.callback.progress import CSVLogger, ProgressCallback
+from fastai.callback.schedule import LRFinder
+from fastai.data.load import DataLoader
+from fastai.torch_core import get_model
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..core import dist as ddist
+from ..core.sharding import shared_seed, unshard
+from ..core.syncbn import convert_sync_bn
+from .loaders import ShardedEvalDL, ShardedTrainDL, WholeEvalDL, splittable
 
 
 class DistributedCallback(Callback):
-    """Placeholder while the adapter is written."""
+    """Trains on every rank with DDP: shards the training loader's own order, validates exactly, records global numbers.
+
+    In each fit (launched, 2 or more ranks) its before_fit wraps the model in DDP and shards the training loader
+    before the callbacks that read them (Recorder, the bars, the schedules); every change goes on one undo stack,
+    closed when the fit ends, after every callback's after_fit, or at once when the fit raises (fastai then calls no
+    after_fit): added to a learner, the callback guards `learn.fit` for that. A fit that raises makes this rank leave
+    the process group, so that the other ranks' collectives fail now instead of at the timeout; the next fit joins a
+    new group. Each validation batch is split across ranks and gathered whole on every rank (`ShardedEvalDL`), so the
+    loss and every metric are one process's; outside a fit (validate, get_preds) every rank evaluates alone."""
+    order = -5  # after TrainEvalCallback (-10) put the model on its device; before Recorder (50) and the bars (60)
+
+    def __init__(self, sync_bn: bool = False, find_unused_parameters: bool = None):
+        self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
+        self.undo = ExitStack()  # every change a distributed fit made, undone in reverse when it ends
+        self.in_fit = False  # inside learn.fit (before_fit also starts validate() and get_preds(), which stay local)
+        self.joined = False  # this fit began on a group of 2 or more ranks: at its end they meet, or this rank leaves
+        self.running = False  # the model is wrapped and the training loader sharded (until undistribute/run_alone)
+        self.rank, self.world_size = 0, 1
+        self.shard = None  # this fit's ShardedTrainDL (its set_epoch)
+        self.parts = None  # the ShardedEvalDL of the validation running, when it is split across ranks
+        self.summed_loss = False  # the loss function sums over the batch (else it averages)
+
+    _learn, _guard = None, None  # the learner it is on, and the guard of that learner's fit
+
+    @property
+    def learn(self):
+        return self._learn
+
+    @learn.setter
+    def learn(self, learn) -> None:
+        """fastai sets this when the callback is added (the learner) and removed (None): the fit guard follows it."""
+        if self._guard is not None:
+            self._guard.remove()
+        object.__setattr__(self, "_learn", learn)
+        object.__setattr__(self, "_guard", None if learn is None else _FitGuard(learn, self))
+
+    @contextmanager
+    def fitting(self):
+        """The span of one `learn.fit`: its distributed changes are undone when it ends, however it ends."""
+        if self.in_fit:  # a fit started inside a fit runs as fastai runs it
+            yield
+            return
+        self.in_fit = True
+        try:
+            yield
+        except BaseException as e:
+            self.undistribute()
+            self._leave_after(e)
+            raise
+        else:
+            self._meet_at_end()
+        finally:
+            self.in_fit = self.joined = False
+            self.undistribute()
+
+    def _leave_after(self, error: BaseException) -> None:
+        if not (self.joined and dist.is_initialized()):
+            return
+        if ddist.peer_failure(error):
+            error.add_note("ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
+        ddist.leave()
+
+    def _meet_at_end(self) -> None:
+        """Every rank ends the fit together: what rank 0 wrote during it exists for all."""
+        if not (self.joined and dist.is_initialized()):
+            return
+        try:
+            dist.barrier()
+        except Exception as e:
+            if ddist.peer_failure(e):  # a rank failed at the very end
+                ddist.leave()
+            raise
+
+    def before_fit(self) -> None:
+        if not self.in_fit or not ddist.init() or dist.get_world_size() < 2:
+            return
+        learn, rank, world_size = self.learn, dist.get_rank(), dist.get_world_size()
+        self.joined, self.rank, self.world_size = True, rank, world_size
+        train = learn.dls.train
+        if not isinstance(train, DataLoader) or train.bs is None or not train.indexed:
+            raise TypeError(f"ddipp shards a fastai DataLoader of indexed items in batches of bs, and the training "
+                            f"loader is a {type(train).__module__}.{type(train).__name__} (bs={getattr(train, 'bs', None)})"
+                            f": build the DataLoaders with fastai's DataLoader (fastai.data.load.DataLoader) or its "
+                            f"DataBlock API")
+        shard = ShardedTrainDL(train, rank, world_size, shared_seed())
+        if len(shard) == 0:  # refused before anything changes
+            raise ValueError(_no_batch(train, world_size))
+        self.summed_loss = getattr(learn.loss_func, "reduction", "mean") == "sum"
+        if rank != 0:
+            self._quiet()
+        model = learn.model
+        self.undo.callback(setattr, learn, "model", model)
+        learn.model = self._wrap(model)
+        self.undo.callback(_set_train, learn.dls, train)
+        learn.dls.train, self.shard = shard, shard
+        self.running = True
+
+    def _wrap(self, model: nn.Module) -> DistributedDataParallel:
+        device = ddist.device()
+        if self.sync_bn:
+            self.undo.callback(convert_sync_bn(model))
+        find_unused = self.find_unused_parameters
+        if find_unused is None:  # fastai's RNNs (AWD-LSTM) leave some parameters out of some steps
+            find_unused = hasattr(model, "reset")
+        ddp = ResettableDDP if hasattr(model, "reset") else DistributedDataParallel
+        return ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   find_unused_parameters=find_unused)
+
+    def _quiet(self) -> None:
+        """No bars, no results table and no CSV file on this rank during the fit (rank 0 shows and writes them)."""
+        learn = self.learn
+        self.undo.enter_context(learn.no_logging())
+        for cb in learn.cbs:
+            if isinstance(cb, ProgressCallback):
+                self.undo.callback(setattr, cb, "run", cb.run)
+                cb.run = False
+            elif isinstance(cb, CSVLogger):
+                self.undo.callback(setattr, cb, "fname", cb.fname)
+                cb.fname = UnnamedFile()
+
+    def undistribute(self) -> None:
+        """Put back the plain model and the original loaders (and whatever else this fit changed)."""
+        self.undo.close()
+        self.running, self.shard, self.parts = False, None, None
+
+    def hide_group_from_fastai(self) -> None:
+        """For the rest of this fit fastai reads WORLD_SIZE=1: it neither gathers values across ranks nor waits at
+        barriers (ddipp's own collectives are unaffected)."""
+        self.undo.callback(os.environ.__setitem__, "WORLD_SIZE", os.environ["WORLD_SIZE"])
+        os.environ["WORLD_SIZE"] = "1"
+
+    def run_alone(self) -> None:
+        """The rest of this fit runs on this rank as one process: the plain model and loaders, fastai told so."""
+        self.undistribute()
+        self.hide_group_from_fastai()
+
+    def before_epoch(self) -> None:
+        if self.running:
+            self.shard.set_epoch(self.learn.epoch)
+
+    def after_loss(self) -> None:
+        """The loss of a training step becomes the global batch's on every rank: what Recorder smooths and callbacks
+        decide on (TerminateOnNaN) agrees everywhere. DDP's backward works on this rank's own loss."""
+        learn = self.learn
+        if not (self.running and learn.training):
+            return
+        loss = learn.loss.detach().float().clone()
+        dist.all_reduce(loss)
+        learn.loss = (loss if self.summed_loss else loss / self.world_size).to(learn.loss.dtype)
+
+    def before_validate(self) -> None:
+        learn = self.learn
+        if self.running and splittable(learn.dl):
+            learn.dl = self.parts = ShardedEvalDL(learn.dl, self.rank, self.world_size)
+        else:
+            self.parts = None
+            learn.dl = WholeEvalDL(learn.dl)
+
+    def after_pred(self) -> None:
+        """The predictions and targets of the whole validation batch, on every rank, before the loss and metrics."""
+        learn = self.learn
+        if learn.training or self.parts is None or learn.dl is not self.parts:
+            return
+        sizes = self.parts.sizes(learn.iter)
+        learn.pred, learn.yb = unshard(learn.pred, sizes), unshard(learn.yb, sizes)
+
+
+def distributed_fit(learn):
+    """The learner's DistributedCallback while a distributed fit runs (its model wrapped, its training loader sharded),
+    else None: how other callbacks learn whether, and how, the fit they are in is distributed."""
+    for cb in getattr(learn, "cbs", ()):
+        if isinstance(cb, DistributedCallback) and cb.running:
+            return cb
+    return None
+
+
+class _FitGuard:
+    """`learn.fit` of a learner with a DistributedCallback: the fit it replaces, run inside the callback's `fitting()`.
+
+    fastai calls after_fit when a fit ends or is cancelled, not when it raises; the guard is where the fit's
+    distributed changes are undone in that case too, and the place after every after_fit."""
+
+    def __init__(self, learn, callback: DistributedCallback):
+        self.learn, self.callback, self.replaced = learn, callback, vars(learn).get("fit")
+        self.fit = learn.fit  # fastai's fit (or the instance's own), bound to the learner
+        learn.fit = self
+
+    def __call__(self, *args, **kwargs):
+        with self.callback.fitting():
+            return self.fit(*args, **kwargs)
+
+    def remove(self) -> None:
+        if vars(self.learn).get("fit") is self:
+            if self.replaced is None:
+                del self.learn.fit
+            else:
+                self.learn.fit = self.replaced
+
+
+def _set_train(dls, loader) -> None:
+    dls.train = loader
+
+
+def _no_batch(loader: DataLoader, world_size: int) -> str:
+    """Why a rank's shard of `loader` makes no batch, and the largest batch size that works."""
+    share = loader.n // world_size
+    return (f"the per-process batch size bs={loader.bs} is larger than a rank's share of the training set "
+            f"({loader.n} items / {world_size} ranks = {share}) and drop_last leaves no batch: use bs <= {share} "
+            f"(each rank takes bs items a step; the global batch is bs x {world_size})")
+
+
+class ResettableDDP(DistributedDataParallel):
+    """DDP of a fastai RNN: `reset()`, which fastai's ModelResetter calls, reaches the wrapped model."""
+
+    def reset(self) -> None:
+        self.module.reset()
+
+
+class UnnamedFile:
+    """A CSVLogger file name for ranks other than 0: `learn.path/UnnamedFile()` opens a file with no name
+    (tempfile.TemporaryFile), so nothing is left on disk however the process ends; rank 0 writes the real file."""
+
+    def __rtruediv__(self, folder) -> "UnnamedFile":
+        return self
+
+    @property
+    def parent(self) -> Path:
+        return Path(tempfile.gettempdir())
+
+    def open(self, mode: str):
+        return tempfile.TemporaryFile(mode)
+
+
+LR_FIND_MODES = ("solo", "distributed")
 
 
 class LRFinderBypassCallback(Callback):
-    """Placeholder while the adapter is written."""
+    """`lr_find` under DDP: sweeps once, and leaves every rank in the same state (weights, optimizer, recorder).
+
+    mode='solo': rank 0 sweeps alone on the whole data with its own batch (what one GPU would show) while the others
+    wait; then its recorder is broadcast. mode='distributed': all ranks sweep with the global batch for the sweep's
+    num_it steps, as one process with that batch does (fastai plans the epochs on the unsharded loader). Either way
+    fastai reads WORLD_SIZE=1 during the sweep, so its LRFinder saves and reloads the weights on rank 0 without a
+    barrier the others would have to meet, and every rank puts back the state it had before the sweep."""
+    order = DistributedCallback.order + 1  # after the fit was distributed; before Recorder, the bars and LRFinder
+
+    def __init__(self, mode: str = "solo"):
+        if mode not in LR_FIND_MODES:
+            raise ValueError(f"mode={mode!r}: use 'solo' (rank 0 sweeps alone) or 'distributed' (global batch)")
+        self.mode = mode
+        self.before_sweep = None  # the weights and optimizer state of this rank when the sweep began, else None
+
+    def before_fit(self) -> None:
+        ddp = distributed_fit(self.learn)
+        if ddp is None or not isinstance(getattr(self.learn, "lr_finder", None), LRFinder):
+            return
+        self.before_sweep = _state(self.learn)
+        if self.mode == "solo" and ddp.rank == 0:
+            ddp.run_alone()
+        elif self.mode == "distributed":
+            ddp.hide_group_from_fastai()
+            steps = self.learn.lr_finder.num_it  # LRFinder stops there; fastai counted epochs on the unsharded loader
+            self.learn.n_epoch = max(self.learn.n_epoch, steps // len(self.learn.dls.train) + 1)
+
+    def _waiting(self) -> bool:
+        """True on the ranks that only wait for rank 0's solo sweep."""
+        return self.before_sweep is not None and self.mode == "solo" and dist.get_rank() != 0
+
+    def before_epoch(self) -> None:
+        if self._waiting():  # after fastai's LRFinder.before_fit, so its after_fit finds what it expects
+            raise CancelFitException()
+
+    def after_fit(self) -> None:
+        if self.before_sweep is None:
+            return
+        learn, state, self.before_sweep = self.learn, self.before_sweep, None
+        _set_state(learn, state)  # as fastai's LRFinder reloads it, on rank 0, after this
+        finder = learn.lr_finder
+        if dist.get_rank() != 0 and hasattr(finder, "tmp_d"):
+            finder.tmp_d.cleanup()  # its folder stays empty here: fastai saves on rank 0 only
+        if self.mode == "solo":
+            record = [_record(learn)]
+            dist.broadcast_object_list(record, src=0)
+            _set_record(learn, record[0])
+
+
+def _state(learn) -> dict:
+    """A copy of the weights and the optimizer state, as fastai's LRFinder saves them."""
+    return copy.deepcopy(dict(model=get_model(learn.model).state_dict(), opt=learn.opt.state_dict()))
+
+
+def _set_state(learn, state: dict) -> None:
+    get_model(learn.model).load_state_dict(state["model"])
+    learn.opt.load_state_dict(state["opt"])
+
+
+_RECORDED = ("lrs", "iters", "losses", "values")
+
+
+def _record(learn) -> dict:
+    """What a sweep leaves in the recorder (and the learner's last record), as plain Python values."""
+    return dict(recorder={k: copy.deepcopy(getattr(learn.recorder, k)) for k in _RECORDED},
+                final_record=copy.deepcopy(getattr(learn, "final_record", None)))
+
+
+def _set_record(learn, record: dict) -> None:
+    for k, v in record["recorder"].items():
+        setattr(learn.recorder, k, v)
+    if record["final_record"] is not None:
+        learn.final_record = record["final_record"]
 
 
 class GCCallback(Callback):
-    """Placeholder while the adapter is written."""
+    """At the end of every fit: `gc.collect()` and, with CUDA, `torch.cuda.empty_cache()`; reports when verbose."""
+    order = 100  # after the other callbacks let go of what the fit held
+
+    def __init__(self, verbose: bool = False):
+        self.verbose = verbose
+
+    def after_fit(self) -> None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        reserved = torch.cuda.memory_reserved() if cuda else 0
+        objects = gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        if self.verbose:
+            freed = (reserved - torch.cuda.memory_reserved()) / 2**20 if cuda else 0.0
+            print(f"GCCallback (rank {ddist.rank()}): collected {objects} objects, "
+                  f"released {freed:.1f} MiB of CUDA cache")

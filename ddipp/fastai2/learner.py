@@ -1,9 +1,129 @@
-"""Learner.to_ddp / from_ddp for fastai v2 (being written)."""
+"""`Learner.to_ddp` / `Learner.from_ddp` for fastai v2, added with fastcore's @patch (fastai's own extension idiom)."""
+import os
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional, Sequence
+
+import cloudpickle
+import fastprogress.fastprogress
+from fastai.learner import Learner
+from fastcore.xtras import join_path_file
+from fastai.torch_core import rank_distrib
+from fastcore.basics import patch
+
+from ..core import dist as ddist
+from ..core.files import replacing
+from .callbacks import LR_FIND_MODES, DistributedCallback, GCCallback, LRFinderBypassCallback
+
+_DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
+
+NOTEBOOK_MODE = ("notebook mode for fastai v2 is not available yet: this process was not started by a launcher; "
+                 "run the script with python -m ddipp.launch --nproc N script.py (CPU processes) or "
+                 "python -m ddipp.launch --gpus 0,1 script.py, and call learn.to_ddp() without gpus/nprocs there")
 
 
-def to_ddp(learn, **kwargs):
-    raise NotImplementedError("ddipp's fastai v2 adapter is being written")
+@patch
+def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None, sync_bn: bool = False,
+           find_unused_parameters: Optional[bool] = None, lr_find_mode: str = "solo", timeout: float = 600) -> Learner:
+    """Make every later fit of this learner distributed; a no-op in a plain process given neither `gpus` nor `nprocs`.
+
+    In a process started by `python -m ddipp.launch` it joins the launcher's group (`gpus`/`nprocs`, if given, must
+    match it) and adds DistributedCallback (`sync_bn`, `find_unused_parameters`), LRFinderBypassCallback
+    (`lr_find_mode`) and GCCallback; `learn.save` and `learn.export` then replace their file only once it is whole.
+    `timeout` is for notebook mode, which fastai v2 does not have yet."""
+    _check_options(lr_find_mode, timeout)
+    if not ddist.launched():
+        if gpus is None and nprocs is None:
+            return self
+        raise RuntimeError(NOTEBOOK_MODE)
+    _check_matches_launch(gpus, nprocs)
+    ddist.init()
+    if not ddist.is_rank0():
+        fastprogress.fastprogress.NO_BAR = True  # rank 0 draws the bars, also of validate() and get_preds()
+    from_ddp(self)
+    self.add_cbs([DistributedCallback(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
+                  LRFinderBypassCallback(mode=lr_find_mode), GCCallback()])
+    self.save, self.export = AtomicSave(self), AtomicExport(self)
+    return self
 
 
-def from_ddp(learn):
-    return learn
+@patch
+def from_ddp(self: Learner) -> Learner:
+    """Back to plain single-process fastai: removes ddipp's callbacks and its `save`/`export`."""
+    self.remove_cbs([cb for cb in self.cbs if isinstance(cb, _DDIPP_CALLBACKS)])
+    for name, kind in (("save", AtomicSave), ("export", AtomicExport)):
+        if isinstance(vars(self).get(name), kind):
+            delattr(self, name)
+    return self
+
+
+to_ddp, from_ddp = Learner.to_ddp, Learner.from_ddp  # also ddipp.to_ddp(learn, ...) / ddipp.from_ddp(learn)
+
+
+def _check_options(lr_find_mode, timeout) -> None:
+    if lr_find_mode not in LR_FIND_MODES:
+        raise ValueError(f"to_ddp(lr_find_mode={lr_find_mode!r}): use 'solo' (rank 0 sweeps alone) or "
+                         "'distributed' (all ranks sweep with the global batch)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"to_ddp(timeout={timeout!r}): timeout is the seconds a rank may wait for the others, "
+                         "a number > 0 (default 600)")
+
+
+def _check_matches_launch(gpus, nprocs) -> None:
+    launched_devices = os.environ.get(ddist.DEVICES_ENV, "")
+    if gpus is not None and [int(g) for g in gpus] != [int(g) for g in launched_devices.split(",") if g.isdigit()]:
+        raise ValueError(f"to_ddp(gpus={list(gpus)}) but the launcher started this group on "
+                         f"{launched_devices or 'its default devices'}; pass the same gpus or leave gpus out")
+    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", ddist.world_size()))
+    if nprocs is not None and nprocs != local_procs:
+        raise ValueError(f"to_ddp(nprocs={nprocs}) but the launcher started {local_procs} processes on this host; "
+                         "pass the same number or leave nprocs out")
+
+
+class AtomicSave:
+    """`learn.save` of a learner under ddipp: fastai's own save (rank 0 writes), into a file that replaces the target
+    only once it is whole (fastai writes in place: a crash mid-write would leave neither the old model nor the new)."""
+
+    def __init__(self, learn: Learner):
+        self.learn = weakref.ref(learn)
+
+    def __call__(self, file, **kwargs):
+        learn = self.learn()
+        if not isinstance(file, (str, Path)) or rank_distrib():  # a stream, or a rank that does not write
+            return type(learn).save(learn, file, **kwargs)
+        target = join_path_file(file, learn.path / learn.model_dir, ext=".pth")
+        with replacing(target) as f:
+            type(learn).save(learn, f, **kwargs)
+        return target
+
+
+class AtomicExport:
+    """`learn.export` of a learner under ddipp: fastai's own export (rank 0 writes) of the plain learner, without
+    ddipp's callbacks (the file loads in any process), into a file that replaces the target only once it is whole."""
+
+    def __init__(self, learn: Learner):
+        self.learn = weakref.ref(learn)
+
+    def __call__(self, fname="export.pkl", pickle_module=cloudpickle, pickle_protocol=2):
+        learn = self.learn()
+        if rank_distrib():
+            return
+        with _without_ddipp(learn), replacing(learn.path / fname) as f:
+            # fastai saves to learn.path/fname: an absolute fname is the temporary file itself (same inode as f)
+            type(learn).export(learn, Path(f.name).resolve(), pickle_module, pickle_protocol)
+
+
+@contextmanager
+def _without_ddipp(learn: Learner):
+    """The learner as plain fastai for the block: ddipp's callbacks and its save/export off, then back."""
+    cbs = [cb for cb in learn.cbs if isinstance(cb, _DDIPP_CALLBACKS)]
+    attrs = {k: v for k, v in vars(learn).items() if isinstance(v, (AtomicSave, AtomicExport))}
+    learn.remove_cbs(cbs)
+    for name in attrs:
+        delattr(learn, name)
+    try:
+        yield learn
+    finally:
+        learn.add_cbs(cbs)
+        vars(learn).update(attrs)

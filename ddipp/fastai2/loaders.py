@@ -1,0 +1,160 @@
+"""fastai v2 loaders across ranks: a training loader's own order sharded by position, each validation batch split in parts.
+
+Built on ddipp.core.sharding: ShardedSampler shards the order `get_idxs()` gives, ShardedEvalBatchSampler splits the
+batches of a validation loader; these classes only read fastai's DataLoader through its own methods (`get_idxs`,
+`do_item`, `do_batch`, `after_batch`, ...), so a loader's transforms, collation and order are its own.
+"""
+import random
+
+from fastai.data.load import DataLoader
+from fastai.text.data import LMDataLoader
+from fastai.torch_core import to_detach
+
+from ..core.sharding import ShardedEvalBatchSampler, ShardedSampler
+
+
+class LoaderOrder:
+    """The order `dl.get_idxs()` gives, drawn as one process with the global batch `global_bs` draws it: a sampler.
+
+    fastai shuffles with the loader's own generator (`dl.rng`), and some loaders with the global ones (SortedDL with
+    numpy's, LMDataLoader with python's): ShardedSampler seeds the global generators while it draws the order, and the
+    loader's generator is seeded from them, so every rank draws the same order. Meanwhile `dl.bs` reads `global_bs`, so
+    an order made of batches (SortedDL's length buckets) is made of global batches. The loader is left as it was."""
+
+    def __init__(self, dl: DataLoader, global_bs: int):
+        self.dl, self.global_bs = dl, global_bs
+
+    def __iter__(self):
+        dl = self.dl
+        rng, bs = dl.rng, dl.bs
+        dl.rng, dl.bs = random.Random(random.getrandbits(64)), self.global_bs
+        try:
+            return iter(list(dl.get_idxs()))
+        finally:
+            dl.rng, dl.bs = rng, bs
+
+    def __len__(self) -> int:
+        return self.dl.n
+
+
+class _ReadsThrough(DataLoader):
+    """A fastai DataLoader of its own order that reads its items through the loader `dl` (its transforms, collation,
+    device); any other attribute is `dl`'s. It has fastai's worker processes (num_workers) as `dl` has."""
+    _default = "dl"
+
+    def __init__(self, dl: DataLoader, bs, n: int, drop_last: bool = False):
+        self.dl = dl
+        fake = dl.fake_l
+        super().__init__(dl.dataset, bs=bs, n=n, drop_last=drop_last, shuffle=False, indexed=dl.indexed,
+                         device=dl.device, num_workers=fake.num_workers, pin_memory=fake.pin_memory,
+                         timeout=fake.timeout, persistent_workers=fake.persistent_workers,
+                         pin_memory_device=fake.pin_memory_device)
+
+    def randomize(self) -> None:  # the order is drawn by the sharding, not by this loader's generator
+        pass
+
+    def before_iter(self) -> None:
+        self.dl.before_iter()
+
+    def after_iter(self) -> None:
+        self.dl.after_iter()
+
+    def after_batch(self, b):
+        return self.dl.after_batch(b)
+
+
+class ShardedTrainDL(_ReadsThrough):
+    """Rank `rank`'s shard of the training loader `dl`: positions rank, rank+N, rank+2N, ... of `dl`'s own order.
+
+    The order is `dl.get_idxs()` (a user's override included) drawn alike on every rank from `seed` and the epoch
+    (`set_epoch`): a new order each epoch, every item at most once per epoch across ranks; the last len % N positions
+    are dropped so every rank has as many batches. Batches are `dl.bs` items (the global batch is N x bs), so step k
+    of the N ranks covers the items of step k of one process with batch N x bs. A language-model loader is read as
+    one with N x bs streams (`global_batch_loader`): rank r trains on rows r, r+N, ... of them."""
+
+    def __init__(self, dl: DataLoader, rank: int, world_size: int, seed: int):
+        source = global_batch_loader(dl, world_size)
+        self.order = ShardedSampler(LoaderOrder(source, dl.bs * world_size), rank, world_size, seed)
+        super().__init__(source, bs=dl.bs, n=len(self.order), drop_last=dl.drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.order.set_epoch(epoch)
+
+    def get_idxs(self):
+        return list(self.order)
+
+    def do_item(self, s):
+        return self.dl.do_item(s)
+
+    def do_batch(self, b):
+        return self.dl.do_batch(b)
+
+
+def global_batch_loader(dl: DataLoader, world_size: int) -> DataLoader:
+    """The loader whose order and items the ranks share: `dl`, or for a language model `dl` with N x bs streams.
+
+    fastai's LMDataLoader cuts its corpus into `bs` streams when it is made; one process with the global batch reads
+    N x bs of them, one row each."""
+    if isinstance(dl, LMDataLoader) and world_size > 1:
+        return dl.new(bs=dl.bs * world_size)
+    return dl
+
+
+class ShardedEvalDL(_ReadsThrough):
+    """Rank `rank`'s part of each batch of the evaluation loader `dl`: items rank, rank+N, ... of its batch k.
+
+    Batch k is what `dl` yields as batch k in one process (its `get_idxs()` order in batches of `dl.bs`); every item
+    is evaluated once across ranks, and `unshard(x, sizes(k))` rebuilds the whole batch on every rank (a rank whose
+    part is empty evaluates a placeholder item, which unshard drops). Its `to_detach` does not gather across ranks as
+    fastai's does under WORLD_SIZE > 1: once unsharded, every rank holds the whole batch."""
+
+    def __init__(self, dl: DataLoader, rank: int, world_size: int):
+        idxs = list(dl.get_idxs())
+        usable = len(idxs) // dl.bs * dl.bs if dl.drop_last else len(idxs)
+        batches = [idxs[i:i + dl.bs] for i in range(0, usable, dl.bs)]
+        self.parts = ShardedEvalBatchSampler(batches, rank, world_size)
+        super().__init__(dl, bs=None, n=len(self.parts))  # each "item" is a rank's part of a batch
+
+    def sizes(self, k: int):
+        return self.parts.sizes(k)
+
+    def get_idxs(self):
+        return list(self.parts)
+
+    def create_item(self, part):
+        return self.dl.do_batch([item for item in map(self.dl.do_item, part) if item is not None])
+
+    def do_batch(self, b):
+        return b  # create_item collated the part already
+
+    def to_detach(self, b, cpu: bool = True, gather: bool = True):
+        return to_detach(b, cpu, gather=False)
+
+
+def splittable(dl) -> bool:
+    """True for a loader ShardedEvalDL can split: a fastai DataLoader of indexed items in batches of `bs`."""
+    return isinstance(dl, DataLoader) and dl.bs is not None and dl.indexed and dl.n is not None
+
+
+class WholeEvalDL:
+    """The loader `dl` as it is, evaluated whole on this rank, with a `to_detach` that does not gather across ranks.
+
+    fastai gathers every metric's values across ranks when WORLD_SIZE > 1; a rank that evaluates the whole set alone
+    (outside a fit, or a loader that cannot be split) must not wait for the others, nor count their copies."""
+
+    def __init__(self, dl):
+        self.dl = dl
+
+    def __iter__(self):
+        return iter(self.dl)
+
+    def __len__(self) -> int:
+        return len(self.dl)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "dl":
+            raise AttributeError(name)
+        return getattr(self.dl, name)
+
+    def to_detach(self, b, cpu: bool = True, gather: bool = True):
+        return to_detach(b, cpu, gather=False)
