@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 FIT = """
-import torch, ddipp
+import torch, ddipp, ddipp.fastai1.notebook
 from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner
 from torch.utils.data import DataLoader, TensorDataset

@@ -11,6 +11,7 @@ metrics on each rank alone: ddipp.fastai1.learner.RankValidate).
 import gc
 import math
 import tempfile
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -28,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core import dist as ddist
 from ..core.sharding import pad_to_longest, unshard
-from .loaders import repeat_passes, shard_eval_loader, shard_train_loader
 from ..core.syncbn import convert_sync_bn
+from .loaders import repeat_passes, shard_eval_loader, shard_train_loader
 
 
 class DistributedCallback(LearnerCallback):
@@ -45,44 +46,55 @@ class DistributedCallback(LearnerCallback):
     def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None):
         super().__init__(learn)
         self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
-        self.distributed = self.fitting = self.stopping = False
-        self.unmute = lambda: None
+        self.distributed = False  # between a fit's on_train_begin and the undoing of what it changed
+        self.fitting = False  # from a distributed fit's on_train_begin to its on_train_end
+        self.stopping = False  # an interrupt reached every rank: stop before the next batch
+        self.undo = ExitStack()  # every change to the learner a distributed fit makes, undone in reverse
+        self.unmute = ExitStack()  # rank > 0's CSV loggers, put back after the fit's last callback ran
+        self.rank, self.world_size = 0, 1
+        self.train_sampler = None  # the ShardedSampler of this fit's training shard (set_epoch, its seed)
+        self.lm_streams = None  # set_epoch of a language model's sharded streams
+        self.padding = None  # (pad_idx, pad_first) of padded text batches, else None
+        self.eval_batches = None  # the ShardedEvalBatchSampler of the validation loader
+        self.valid_batch = 0  # which validation batch of the epoch is running
+        self.smoother = SmoothenValue(0.98)
+        self.summed_loss = False  # the loss function sums over the batch (else it averages)
+        self.global_loss = None  # the loss of the global batch at the current step
 
     def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
         if pbar is None or not ddist.init():  # Learner.validate() (no bar, no on_train_end), or not launched
             return
         self.fitting = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        data = self.learn.data
+        learn, data = self.learn, self.learn.data
         sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, _broadcast_seed())
         if len(sharded) == 0:  # refused before anything changes
             raise ValueError(_no_batch(data.train_dl, self.world_size))
-        _check_callbacks(self.learn)
+        _check_callbacks(learn)
         if self.rank != 0:
-            self.learn.recorder.silent = True
+            learn.recorder.silent = True
             hide_progress_bars()
-            self.unmute = _csv_loggers_aside(self.learn)
+            self.unmute.callback(_csv_loggers_aside(learn))
         self.smoother = SmoothenValue(0.98)
-        self.summed_loss = getattr(self.learn.loss_func, "reduction", "mean") == "sum"
-        self.model = self.learn.model
-        self.learn.model = self._wrap(self.model)
-        self.train_dl, self.valid_dl = data.train_dl, data.valid_dl
+        self.summed_loss = getattr(learn.loss_func, "reduction", "mean") == "sum"
+        model, train_dl, valid_dl = learn.model, data.train_dl, data.valid_dl
+        self.undo.callback(_restore, learn, model, train_dl, valid_dl)
+        learn.model = self._wrap(model)
         data.train_dl = sharded
-        self.train_sampler = data.train_dl.dl.batch_sampler.sampler
-        self.unscale = _rescale_schedule(self.learn, len(self.train_dl) * n_epochs, len(data.train_dl) * n_epochs)
-        self.lm_streams = getattr(data.train_dl.dl.dataset, "set_epoch", None)  # language-model streams
-        self.padding = _padding(self.train_dl)
+        self.train_sampler = sharded.dl.batch_sampler.sampler
+        self.undo.callback(_rescale_schedule(learn, len(train_dl) * n_epochs, len(sharded) * n_epochs))
+        self.lm_streams = getattr(sharded.dl.dataset, "set_epoch", None)  # language-model streams
+        self.padding = _padding(train_dl)
         self.eval_batches = None
-        if self.valid_dl is not None:
-            data.valid_dl = shard_eval_loader(self.valid_dl, self.rank, self.world_size)
+        if valid_dl is not None:
+            data.valid_dl = shard_eval_loader(valid_dl, self.rank, self.world_size)
             self.eval_batches = data.valid_dl.dl.batch_sampler
         self.distributed = True
 
     def _wrap(self, model: nn.Module) -> DistributedDataParallel:
         device = ddist.device()
-        self.undo_sync_bn = lambda: None
         if self.sync_bn:
-            self.undo_sync_bn = convert_sync_bn(model)
+            self.undo.callback(convert_sync_bn(model))
         find_unused = self.find_unused_parameters
         if find_unused is None:  # fastai's RNNs (AWD-LSTM) leave some parameters out of some steps
             find_unused = hasattr(model, "reset")
@@ -92,11 +104,7 @@ class DistributedCallback(LearnerCallback):
 
     def undistribute(self) -> None:
         """Put back the plain model and the original loaders; the rest of the fit runs as one process."""
-        if not self.distributed:
-            return
-        self.learn.model, self.learn.data.train_dl, self.learn.data.valid_dl = self.model, self.train_dl, self.valid_dl
-        self.undo_sync_bn()
-        self.unscale()
+        self.undo.close()
         self.distributed = False
 
     def read_passes(self, passes: int) -> None:
@@ -146,8 +154,7 @@ class DistributedCallback(LearnerCallback):
 
     def on_train_end(self, exception, **kwargs) -> None:
         self.undistribute()
-        self.unmute()
-        self.unmute = lambda: None
+        self.unmute.close()
         fitting, self.fitting = self.fitting, False
         if not (fitting and dist.is_initialized()):
             return
@@ -163,6 +170,17 @@ class DistributedCallback(LearnerCallback):
             if ddist.peer_failure(e):  # a rank failed at the very end
                 ddist.leave()
             raise
+
+
+def distributed_fit(learn: Learner):
+    """The learner's DistributedCallback while a distributed fit runs (its loaders sharded, its model wrapped), else
+    None: how the other callbacks learn whether, and how, the fit they are in is distributed."""
+    ddp = getattr(learn, "distributed_callback", None)
+    return ddp if ddp is not None and ddp.distributed else None
+
+
+def _restore(learn: Learner, model: nn.Module, train_dl, valid_dl) -> None:
+    learn.model, learn.data.train_dl, learn.data.valid_dl = model, train_dl, valid_dl
 
 
 def _check_callbacks(learn: Learner) -> None:
@@ -288,7 +306,7 @@ class LRFinderBypassCallback(LearnerCallback):
         # fastai's LRFinder marks its fit's bar clean_on_interrupt in its own on_train_begin, which ran just before
         self.sweeping = getattr(pbar, "clean_on_interrupt", False) and dist.is_initialized()
         if self.sweeping and self.mode == "solo":
-            self.learn.distributed_callback.undistribute()
+            distributed_fit(self.learn).undistribute()
         elif self.sweeping:
             self._cover_the_sweep(n_epochs)
 
@@ -298,7 +316,7 @@ class LRFinderBypassCallback(LearnerCallback):
         steps = self.learn.lr_finder.sched.n_iter
         passes = math.ceil(steps / (n_epochs * len(self.learn.data.train_dl)))
         if passes > 1:
-            self.learn.distributed_callback.read_passes(passes)
+            distributed_fit(self.learn).read_passes(passes)
 
     def _waiting(self) -> bool:
         """True on the ranks that only wait for rank 0's solo sweep."""

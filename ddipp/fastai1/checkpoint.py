@@ -8,6 +8,7 @@ from fastai.torch_core import get_model
 from ..core import dist as ddist
 from ..core.files import save_atomic
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
+from .callbacks import distributed_fit
 
 
 class Checkpoint(LearnerCallback):
@@ -44,9 +45,9 @@ class Checkpoint(LearnerCallback):
         if rngs is not None:
             set_rng_state(rngs)
         if state["shuffle_seed"] is not None and self._sampler_seed() is not None:
-            self.learn.distributed_callback.train_sampler.seed = state["shuffle_seed"]
+            distributed_fit(self.learn).train_sampler.seed = state["shuffle_seed"]
 
     def _sampler_seed(self):
         """The seed ddipp shuffles this fit's training order with, when the fit is distributed."""
-        ddp = getattr(self.learn, "distributed_callback", None)
-        return ddp.train_sampler.seed if ddp is not None and ddp.distributed else None
+        ddp = distributed_fit(self.learn)
+        return ddp.train_sampler.seed if ddp is not None else None

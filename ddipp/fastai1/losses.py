@@ -2,6 +2,7 @@
 from fastai.basic_train import LearnerCallback
 
 from ..core.collectives import all_gather
+from .callbacks import distributed_fit
 
 
 class GlobalBatchLoss(LearnerCallback):
@@ -12,8 +13,7 @@ class GlobalBatchLoss(LearnerCallback):
     needs nothing: DistributedCallback already gives the loss the whole batch there."""
 
     def _gathering(self, train: bool) -> bool:
-        ddp = getattr(self.learn, "distributed_callback", None)
-        return train and ddp is not None and ddp.distributed
+        return train and distributed_fit(self.learn) is not None
 
     def on_batch_begin(self, last_target, train: bool, **kwargs):
         if self._gathering(train):

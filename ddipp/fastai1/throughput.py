@@ -10,6 +10,7 @@ from fastai.torch_core import add_metrics
 
 from ..core import dist as ddist
 from ..core.collectives import reduce_sum
+from .callbacks import distributed_fit
 
 
 class Throughput(LearnerCallback):
@@ -54,8 +55,8 @@ class Throughput(LearnerCallback):
 
     def _global_counts(self):
         """(samples, distinct, seconds) of this epoch's training, over all ranks."""
-        ddp = getattr(self.learn, "distributed_callback", None)
-        if ddp is None or not ddp.distributed:  # one process: its sampler draws each item at most once per epoch
+        ddp = distributed_fit(self.learn)
+        if ddp is None:  # one process: its sampler draws each item at most once per epoch
             return self.count, self.count, self.elapsed
         sampler = ddp.train_sampler
         seen = torch.zeros(len(sampler.sampler), dtype=torch.int32)

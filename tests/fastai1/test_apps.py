@@ -19,7 +19,7 @@ import ddipp
 from scenario import close
 
 WORKERS = Path(__file__).parent / "workers"
-import apps  # noqa: E402  (tests/workers is on sys.path: conftest)
+import apps  # noqa: E402  (tests/fastai1/workers is on sys.path: conftest)
 
 # app: (index in [val_loss, *metrics], higher is better, |DDP - one process| at most, DDP at least/most)
 PARITY = {"lm": (1, True, 0.03, 0.70), "clas": (1, True, 0.04, 0.90), "vision": (1, True, 0.05, 0.88),
