@@ -1,0 +1,177 @@
+"""DistributedCallback, LRFinderBypassCallback, GCCallback on fastai v2: a real 2-rank gloo run against one process.
+
+One launched run (workers/fit_worker.py, the `ranks` fixture) plays workers/fit_story.py with batch 16 a rank; the
+`reference` plays it here in one process with batch 32, the global batch."""
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import launch_2_ranks
+
+WORKERS = Path(__file__).parent / "workers"
+sys.path.insert(0, str(WORKERS))
+from fit_story import (TOL, close, digits_dls, digits_learner, failed_fit, max_diff,  # noqa: E402
+                       saved_and_exported, state, story, sweep, tabular_digits_learner, tiny_valid)
+
+from ddipp import GCCallback  # noqa: E402
+
+N_TRAIN = 1797 - 101
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What workers/fit_worker.py saw on each of 2 launched ranks, and its folder."""
+    out = tmp_path_factory.mktemp("ddp2")
+    launch_2_ranks(WORKERS / "fit_worker.py", out)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The story in one process with batch 32."""
+    return story(digits_learner(digits_dls(bs=32), tmp_path_factory.mktemp("ref2")))
+
+
+PHASES = ["fit", "frozen", "unfrozen", "fine_tune"]  # fit_one_cycle; freeze + fit; unfreeze + fit_flat_cos; fine_tune
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_two_ranks_train_the_parameters_one_process_trains_with_the_global_batch(ranks, reference, phase):
+    (r0, r1), _ = ranks
+    key = "params_" + phase
+    assert max_diff(r0["story"][key], r1["story"][key]) == 0
+    assert max_diff(r0["story"][key], reference[key]) <= TOL
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, reference, phase):
+    (r0, r1), _ = ranks
+    key = {"fit": "fit", "frozen": "fit_frozen", "unfrozen": "fit_unfrozen", "fine_tune": "fine_tune"}[phase]
+    assert r0["story"][key] == r1["story"][key]
+    # per epoch: train loss, valid loss on 101 items, accuracy, F1 (an AccumMetric), a batch-dependent AvgMetric
+    assert all(len(row) == 5 for row in r0["story"][key]["values"])
+    assert close(r0["story"][key], reference[key])
+
+
+def test_validate_and_get_preds_between_fits_cover_the_whole_set_on_every_rank(ranks, reference):
+    (r0, r1), _ = ranks
+    assert r0["story"]["validate"] == r1["story"]["validate"]
+    assert close(r0["story"]["validate"], reference["validate"])
+    for rank in (r0, r1):
+        assert rank["story"]["preds"].shape == reference["preds"].shape == (101, 10)
+        assert max_diff([rank["story"]["preds"]], [reference["preds"]]) <= TOL
+
+
+def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    three = tiny_valid(digits_learner(digits_dls(bs=32, val_bs=2, n_valid=3), tmp_path))  # batches of 2 and 1 item
+    one = tiny_valid(digits_learner(digits_dls(bs=32, n_valid=1), tmp_path))  # 1 item, fewer than the ranks
+    for rank in (r0, r1):
+        assert close(rank["tiny_valid"], three) and close(rank["one_valid"], one)
+
+
+def test_plain_model_and_original_loaders_are_back_after_each_fit(ranks):
+    (r0, r1), _ = ranks
+    assert r0["story"]["restored"] and r1["story"]["restored"]
+
+
+def test_lr_find_solo_sweeps_once_on_rank0_like_one_process_with_its_batch(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = sweep(digits_learner(digits_dls(bs=32), tmp_path), sweep_bs=16)  # trained as 2 ranks, swept alone
+    assert r0["solo_sweep"] == r1["solo_sweep"] and len(r0["solo_sweep"]["lrs"]) == 20
+    assert r0["solo_sweep"]["kept"] and single["kept"]
+    assert close(r0["solo_sweep"], single)
+
+
+def test_lr_find_distributed_sweeps_with_the_global_batch_like_one_process(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = sweep(digits_learner(digits_dls(bs=32), tmp_path))
+    assert r0["distributed_sweep"] == r1["distributed_sweep"] and len(r0["distributed_sweep"]["lrs"]) == 20
+    assert r0["distributed_sweep"]["kept"]
+    assert close(r0["distributed_sweep"], single)
+
+
+def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
+    (r0, r1), _ = ranks
+    assert len(r0["shuffled_orders"]) == 3
+    for mine, theirs in zip(r0["shuffled_orders"], r1["shuffled_orders"]):
+        assert len(mine) == len(theirs) == N_TRAIN // 2
+        assert not set(mine) & set(theirs) and len(set(mine) | set(theirs)) == N_TRAIN
+    assert r0["shuffled_orders"][0] != r0["shuffled_orders"][1] != r0["shuffled_orders"][2]
+
+
+def test_a_loader_with_an_order_of_its_own_is_sharded_in_that_order(ranks):
+    (r0, r1), _ = ranks
+    backwards = list(reversed(range(N_TRAIN)))
+    assert r0["own_orders"] == [backwards[0::2]] and r1["own_orders"] == [backwards[1::2]]
+
+
+def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fit_works(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = failed_fit(digits_learner(digits_dls(bs=32), tmp_path))
+    for rank in (r0, r1):
+        assert rank["failed_fit"]["raised"].endswith("failing on purpose") and rank["failed_fit"]["restored"]
+        assert max_diff(rank["failed_fit"]["params"], single["params"]) <= TOL
+        assert close(rank["failed_fit"]["fit"], single["fit"])
+
+
+def test_a_per_process_batch_larger_than_a_ranks_share_is_refused_naming_the_fix(ranks):
+    (r0, r1), _ = ranks
+    for rank in (r0, r1):
+        assert rank["too_large_bs"].startswith("ValueError")
+        assert ("the per-process batch size bs=16 is larger than a rank's share of the training set (20 items / 2 "
+                "ranks = 10) and drop_last leaves no batch: use bs <= 10") in rank["too_large_bs"]
+
+
+def test_sync_bn_save_load_and_export_keep_one_processs_weights_on_every_rank(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    single = tabular_digits_learner(tmp_path, bs=32)  # BatchNorm: equal to one process only with sync_bn
+    single.fit(1, 1e-2)
+    assert max_diff(r0["saved"]["trained"], state(single)) <= TOL
+    for rank in (r0, r1):  # rank 0 saved and exported; both loaded after fastai's barrier
+        assert max_diff(rank["saved"]["loaded"], r0["saved"]["trained"]) == 0
+        assert max_diff(rank["saved"]["exported"], r0["saved"]["trained"]) == 0
+        assert "DistributedCallback" not in rank["saved"]["exported_callbacks"]  # a plain learner, loadable anywhere
+        assert rank["saved"]["files"] == ["final.pkl", "models/final.pth"]  # no temporary file left
+
+
+def test_only_rank0_draws_progress_and_the_results_table(ranks):
+    _, out = ranks
+    rank0, rank1 = ((out / f"stdout{r}.txt").read_text() for r in range(2))
+    assert rank0.count("train_loss") >= 4 and "Epoch 1/2" in rank0 and "00:00<" in rank0
+    assert "train_loss" not in rank1 and "00:00<" not in rank1 and "Epoch" not in rank1
+
+
+def test_gc_callback_collects_at_the_end_of_each_fit(tmp_path, capsys):
+    learn = digits_learner(digits_dls(bs=32), tmp_path)
+    learn.add_cb(GCCallback(verbose=True))
+    learn.fit(1, 1e-2)
+    learn.fit(1, 1e-2)
+    assert capsys.readouterr().out.count("GCCallback (rank 0): collected") == 2
+
+
+@pytest.fixture(scope="module")
+def failing_launches(tmp_path_factory):
+    """Both stories of workers/fail_fast_worker.py, launched one after the other (not to time a loaded machine):
+    (exit code, stderr, seconds from rank 1's raise to the launcher's exit) each."""
+    runs = {}
+    for story_name in ("fit", "lr_find"):
+        out = tmp_path_factory.mktemp(story_name)
+        proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "60",
+                               str(WORKERS / "fail_fast_worker.py"), str(out), story_name], capture_output=True,
+                              text=True, timeout=300)
+        runs[story_name] = proc.returncode, proc.stderr, time.time() - float((out / "raised").read_text())
+    return runs
+
+
+@pytest.mark.parametrize("story_name", ["fit", "lr_find"])
+def test_a_launched_rank_that_raises_ends_the_run_with_its_error_long_before_the_timeout(failing_launches,
+                                                                                         story_name):
+    rc, stderr, seconds = failing_launches[story_name]
+    assert rc == 1 and seconds < 10, (seconds, stderr[-3000:])
+    assert re.search(r"rank 1 (failed \(exit code 1\)|raised and was stopped)", stderr)
+    assert "rank 1 fails on purpose" in stderr

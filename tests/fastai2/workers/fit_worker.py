@@ -1,0 +1,30 @@
+"""Launched on 2 ranks by tests/fastai2/test_callbacks.py: plays fit_story.py with batch 16 a rank under ddipp and
+saves what each rank saw in OUT/rank{r}.pt; each rank's stdout goes to OUT/stdout{r}.txt."""
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ddipp  # noqa: E402
+from fit_story import (ReversedDL, digits_dls, digits_learner, failed_fit, orders, refused,  # noqa: E402
+                       saved_and_exported, story, sweep, tabular_digits_learner, tiny_valid)
+
+out = Path(sys.argv[1])
+rank = ddipp.rank()
+with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log):
+    res = {"story": story(digits_learner(digits_dls(bs=16), out / "story").to_ddp())}
+    res["solo_sweep"] = sweep(digits_learner(digits_dls(bs=16), out / "sweep").to_ddp())
+    learn = digits_learner(digits_dls(bs=16), out / "sweep").to_ddp(lr_find_mode="distributed")
+    res["distributed_sweep"] = sweep(learn)
+    res["tiny_valid"] = tiny_valid(digits_learner(digits_dls(bs=16, val_bs=2, n_valid=3), out / "tiny").to_ddp())
+    res["one_valid"] = tiny_valid(digits_learner(digits_dls(bs=16, n_valid=1), out / "tiny").to_ddp())
+    res["shuffled_orders"] = orders(digits_learner(digits_dls(bs=16, shuffle=True), out / "orders").to_ddp())
+    res["own_orders"] = orders(digits_learner(digits_dls(bs=16, dl_type=ReversedDL), out / "orders").to_ddp(), 1)
+    res["failed_fit"] = failed_fit(digits_learner(digits_dls(bs=16), out / "failed").to_ddp())
+    res["too_large_bs"] = refused(lambda: digits_learner(digits_dls(bs=16, n_train=20), out / "bad").to_ddp())
+    res["saved"] = saved_and_exported(tabular_digits_learner(out / "tabular", bs=16).to_ddp(sync_bn=True))
+torch.save(res, out / f"rank{rank}.pt")
