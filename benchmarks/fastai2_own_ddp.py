@@ -27,10 +27,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "fastai2_own_ddp.md"
 GLOBAL_BS, VALID_BS, N_VALID, EPOCHS, LR = 64, 64, 359, 4, 1e-2
 WORKAROUND = ("fastai's `DistributedDL._broadcast` sends the training order as a CUDA tensor (NCCL only); "
               "replaced by the same broadcast of a CPU tensor (gloo)")
+LAUNCH_2 = ["-m", "ddipp.launch", "--nproc", "2"]
 VARIANTS = {  # name: (how it runs, the command's launcher prefix)
     "one process": ("plain fastai, batch 64", []),
-    "fastai DDP": ("`learn.distrib_ctx(sync_bn=False, cpu=True)`, 2 ranks of 32", ["-m", "ddipp.launch", "--nproc", "2"]),
-    "ddipp": ("`learn.to_ddp()`, 2 ranks of 32", ["-m", "ddipp.launch", "--nproc", "2"]),
+    "fastai DDP": ("`learn.distrib_ctx(sync_bn=False, cpu=True)`, 2 ranks of 32", LAUNCH_2),
+    "ddipp": ("`learn.to_ddp()`, 2 ranks of 32", LAUNCH_2),
 }
 
 

@@ -1,0 +1,106 @@
+"""Checkpoint: a fit that can be resumed where it stopped, with the same result as if it had not stopped."""
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from fastai.callback.core import Callback
+from fastai.learner import SkipToEpoch
+from fastai.torch_core import get_model, to_device
+from fastcore.foundation import L
+
+from ..core import dist as ddist
+from ..core.files import save_atomic
+from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
+from .callbacks import distributed_fit
+
+
+class Checkpoint(Callback):
+    """After every epoch rank 0 writes `{path}/{model_dir}/{name}.pth` atomically; a fit with `start_epoch` reads it.
+
+    The file holds the model, the optimizer state, the epoch reached, the training iteration and smoothed loss, every
+    rank's random generator states (the training loader's own included) and ddipp's shuffle seed. Resume with fastai's
+    own argument: `learn.fit_one_cycle(4, lr, start_epoch=2)` skips epochs 0 and 1 (fastai's SkipToEpoch), loads the
+    state written after those 2 epochs as epoch 2 begins, and runs epochs 2 and 3 of the same schedule."""
+    order = SkipToEpoch.order + 1  # its before_epoch runs only for the epochs SkipToEpoch lets run
+
+    def __init__(self, name: str = "checkpoint"):
+        self.file_name = f"{name}.pth"
+
+    @property
+    def file(self) -> Path:
+        return Path(self.learn.path) / self.learn.model_dir / self.file_name
+
+    def before_fit(self):
+        self.resuming = any(isinstance(cb, SkipToEpoch) for cb in self.learn.cbs)  # fit(..., start_epoch=k), k > 0
+        self.epoch_ran = False
+
+    def before_epoch(self):
+        self.epoch_ran = True
+        if self.resuming:
+            self.resuming = False
+            self._load()
+
+    def after_epoch(self):
+        if not self.epoch_ran:  # skipped by SkipToEpoch: the model is not that of this epoch's end
+            return
+        rngs = every_rank([rng_state(), _loader_rng(self.learn)])  # a collective: every rank takes part, rank 0 writes
+        if ddist.is_rank0():
+            smooth = self.learn.recorder.smooth_loss
+            save_atomic(dict(model=get_model(self.learn.model).state_dict(), opt=_plain(self.learn.opt.state_dict()),
+                             epoch=self.epoch + 1, train_iter=self.learn.train_iter,
+                             smooth_loss=[smooth.count, smooth.val], rngs=rngs, shuffle_seed=self._shuffle_seed()),
+                        self.file)
+
+    def _load(self):
+        epoch = self.epoch
+        ddist.barrier()  # the file rank 0 wrote last is complete
+        if not self.file.exists():
+            raise FileNotFoundError(f"start_epoch={epoch}: no checkpoint at {self.file}; fit from the start "
+                                    "(no start_epoch) or give Checkpoint the name the interrupted fit used")
+        state = torch.load(self.file, map_location="cpu", weights_only=True)  # tensors and lists only: runs no code
+        if state["epoch"] != epoch:
+            raise ValueError(f"start_epoch={epoch}, but {self.file} holds the state after {state['epoch']} epochs; "
+                             f"pass start_epoch={state['epoch']}")
+        get_model(self.learn.model).load_state_dict(state["model"])
+        opt = to_device(state["opt"], next(self.learn.model.parameters()).device)  # on the parameters' device
+        self.learn.opt.load_state_dict(dict(opt, hypers=L(opt["hypers"])))
+        self.learn.train_iter = state["train_iter"]
+        smooth = self.learn.recorder.smooth_loss
+        smooth.count, smooth.val = state["smooth_loss"]
+        rngs = this_rank(state["rngs"], self.file)
+        if rngs is not None:
+            set_rng_state(rngs[0])
+            _set_loader_rng(self.learn, rngs[1])
+        ddp = distributed_fit(self.learn)
+        if ddp is not None and state["shuffle_seed"] is not None:
+            ddp.shard.order.seed = state["shuffle_seed"]
+
+    def _shuffle_seed(self):
+        """The seed ddipp draws this fit's training order with, when the fit is distributed."""
+        ddp = distributed_fit(self.learn)
+        return ddp.shard.order.seed if ddp is not None else None
+
+
+def _loader_rng(learn):
+    """The training loader's own generator state (it draws the loader's order), as lists; None if it has none."""
+    rng = getattr(learn.dls.train, "rng", None)
+    if rng is None:
+        return None
+    version, state, gauss = rng.getstate()
+    return [version, list(state), gauss]
+
+
+def _set_loader_rng(learn, state) -> None:
+    if state is not None:
+        learn.dls.train.rng = random.Random()
+        learn.dls.train.rng.setstate((state[0], tuple(state[1]), state[2]))
+
+
+def _plain(obj):
+    """`obj` with fastcore's L as lists and numpy scalars as Python numbers: what a weights-only load reads."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, L)):
+        return [_plain(o) for o in obj]
+    return obj.item() if isinstance(obj, np.generic) else obj

@@ -1,0 +1,114 @@
+"""Throughput: per epoch, how many training samples all ranks processed, how many distinct, and how fast."""
+import copy
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+from fastai.callback.core import Callback
+from fastai.learner import ValueMetric
+from fastai.torch_core import find_bs, to_device
+
+from ..core import dist as ddist
+from ..core.collectives import reduce_sum
+from ..core.rng import rng_state, set_rng_state
+from .callbacks import DistributedCallback, distributed_fit
+
+COLUMNS = ("samples", "distinct", "samples/s")
+
+
+class Throughput(Callback):
+    """Adds three columns to the results table and `recorder.values`: `samples` (training samples processed by all
+    ranks in the epoch), `distinct` (how many different items those were) and `samples/s` (global, over the
+    training phase of the slowest rank). `samples == distinct ==` the training set size: each item once.
+
+    With `compare_batches=k`, a distributed fit first times k training batches of one process alone (rank 0, the
+    same per-process batch, weights, optimizer state and random generators put back after) and prints one line after
+    the first epoch comparing it with the fit's global rate."""
+    order = DistributedCallback.order - 1  # before_fit: the model is on its device (TrainEvalCallback, -10) and not yet
+    # wrapped in DDP, nor the training loader sharded (the one-process timing needs both); the Recorder has not yet
+    # named the results table's columns
+
+    def __init__(self, compare_batches: int = 0):
+        self.compare_batches, self.single_rate = compare_batches, None
+        self.counts = dict.fromkeys(COLUMNS)
+        self.columns = [ValueMetric(lambda name=name: self.counts[name], name) for name in COLUMNS]
+
+    def before_fit(self):
+        self.learn.metrics = [m for m in self.learn.metrics if m not in self.columns] + self.columns
+        self.single_rate = None
+        if self.compare_batches and ddist.world_size() > 1 and ddist.init():
+            self.single_rate = [self._time_one_process() if ddist.is_rank0() else None]
+            dist.broadcast_object_list(self.single_rate, src=0)  # the other ranks wait for rank 0's timing
+            self.single_rate = self.single_rate[0]
+
+    def before_train(self):
+        self.count, self.start, self.elapsed = 0, time.perf_counter(), 0.0
+
+    def before_batch(self):
+        if self.training:
+            self.count += find_bs(self.yb)
+
+    def after_batch(self):
+        if self.training:
+            self.elapsed = time.perf_counter() - self.start
+
+    def after_train(self):
+        samples, distinct, elapsed = self._global_counts()
+        self.counts.update(zip(COLUMNS, (samples, distinct, round(samples / elapsed) if elapsed else None)))
+
+    def after_epoch(self):
+        rate = self.counts["samples/s"]
+        if self.epoch == 0 and self.single_rate and rate and ddist.is_rank0():
+            print(f"ddipp throughput: {ddist.world_size()} ranks {rate} samples/s, 1 process {round(self.single_rate)} "
+                  f"samples/s (over {self.compare_batches} batches): {rate / self.single_rate:.2f}x")
+
+    def after_fit(self):
+        self.learn.metrics = [m for m in self.learn.metrics if m not in self.columns]
+
+    def _global_counts(self):
+        """(samples, distinct, seconds) of this epoch's training, over all ranks."""
+        ddp = distributed_fit(self.learn)
+        if ddp is None:  # one process: its loader draws each item at most once per epoch
+            return self.count, self.count, self.elapsed
+        seen = torch.zeros(ddp.shard.dl.n, dtype=torch.int32)
+        seen[torch.tensor(ddp.shard.get_idxs(), dtype=torch.int64)[:self.count]] = 1  # the order drawn again, alike
+        totals = reduce_sum(dict(seen=seen, count=torch.tensor(self.count)))
+        elapsed = torch.tensor(self.elapsed, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return int(totals["count"]), int((totals["seen"] > 0).sum()), float(elapsed)
+
+    def _time_one_process(self) -> float:
+        """Samples/s of `compare_batches` training steps of this process alone; the model, optimizer and random
+        generators (global and the loader's) are put back."""
+        learn, dl = self.learn, self.learn.dls.train
+        model, opt = learn.model, learn.opt
+        states = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        rngs, loader_rng = rng_state(), copy.deepcopy(getattr(dl, "rng", None))  # the loader's own draws its order
+        device = next(model.parameters()).device
+        count, start = 0, None
+        model.train()
+        for b in itertools.islice(dl, self.compare_batches + 1):
+            b, n_inp = to_device(b, device), getattr(learn.dls, "n_inp", max(len(b) - 1, 1))  # fastai's split
+            learn.loss_func(model(*b[:n_inp]), *b[n_inp:]).backward()
+            opt.step()
+            opt.zero_grad()
+            if start is None:  # the first batch warms up, untimed
+                _synchronize(device)
+                start = time.perf_counter()
+            else:
+                count += find_bs(b[n_inp:])
+        _synchronize(device)
+        elapsed = time.perf_counter() - start
+        model.load_state_dict(states[0])
+        opt.load_state_dict(states[1])
+        set_rng_state(rngs)
+        if loader_rng is not None:
+            dl.rng = loader_rng
+        return count / elapsed
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for this rank's queued GPU work, so that a clock reading covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

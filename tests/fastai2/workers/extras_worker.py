@@ -1,0 +1,34 @@
+"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput}.py: plays extras.py's stories
+with batch 16 a rank under ddipp and saves what each rank saw in OUT/rank{r}.pt (stdout in OUT/stdout{r}.txt)."""
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ddipp  # noqa: E402
+from extras import (digits_dls, digits_learner, moments_fit, pairs_dls, pairs_fit, pairs_learner,  # noqa: E402
+                    params, resume_story, throughput_fit)
+
+out = Path(sys.argv[1])
+rank = ddipp.rank()
+replaced = []  # the files this rank moved into place
+_replace = os.replace
+os.replace = lambda src, dst: replaced.append(str(dst)) or _replace(src, dst)
+
+with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log):
+    res = {"pairs": pairs_fit(pairs_learner(pairs_dls(bs=16)).to_ddp().add_cb(ddipp.GlobalBatchLoss())),
+           "pairs_local": pairs_fit(pairs_learner(pairs_dls(bs=16)).to_ddp()),
+           "moments": moments_fit(digits_learner(digits_dls(bs=16)).to_ddp())}
+    replaced.clear()
+    res["resume"] = resume_story(out / "work")
+    res["replaced"] = list(replaced)
+    res["throughput"] = throughput_fit(digits_learner(digits_dls(bs=16, shuffle=True)).to_ddp(), compare_batches=4)
+    learn = digits_learner(digits_dls(bs=16, shuffle=True)).to_ddp()
+    learn.fit(2, 1e-2)
+    res["no_throughput"] = params(learn)
+torch.save(res, out / f"rank{rank}.pt")
