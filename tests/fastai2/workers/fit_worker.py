@@ -1,7 +1,10 @@
 """Launched on 2 ranks by tests/fastai2/test_callbacks.py: plays fit_story.py with batch 16 a rank under ddipp and
-saves what each rank saw in OUT/rank{r}.pt; each rank's stdout goes to OUT/stdout{r}.txt."""
+saves what each rank saw in OUT/rank{r}.pt (its stdout goes to OUT/stdout{r}.txt); then rank 1 raises in the middle
+of a fit whose after_fit would load a file behind fastai's barrier, and writes OUT/raised (the time it raised): the
+launched run must end with that error, long before the collective timeout."""
 import contextlib
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -10,11 +13,22 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 import ddipp  # noqa: E402
+from fastai.callback.core import Callback  # noqa: E402
+from fastai.callback.tracker import SaveModelCallback  # noqa: E402
 from fit_story import (ReversedDL, digits_dls, digits_learner, failed_fit, orders, refused,  # noqa: E402
                        saved_and_exported, story, sweep, tabular_digits_learner, tiny_valid)
 
 out = Path(sys.argv[1])
 rank = ddipp.rank()
+
+
+class FailOnRank1(Callback):
+    def after_batch(self):
+        if self.training and self.iter == 5 and rank == 1:
+            (out / "raised").write_text(str(time.time()))
+            raise ValueError("rank 1 fails on purpose")
+
+
 with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log):
     res = {"story": story(digits_learner(digits_dls(bs=16), out / "story").to_ddp())}
     res["solo_sweep"] = sweep(digits_learner(digits_dls(bs=16), out / "sweep").to_ddp())
@@ -27,4 +41,7 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     res["failed_fit"] = failed_fit(digits_learner(digits_dls(bs=16), out / "failed").to_ddp())
     res["too_large_bs"] = refused(lambda: digits_learner(digits_dls(bs=16, n_train=20), out / "bad").to_ddp())
     res["saved"] = saved_and_exported(tabular_digits_learner(out / "tabular", bs=16).to_ddp(sync_bn=True))
-torch.save(res, out / f"rank{rank}.pt")
+    torch.save(res, out / f"rank{rank}.pt")
+    learn = digits_learner(digits_dls(bs=16), out / "fail").to_ddp()
+    learn.fit(1, 1e-2, cbs=SaveModelCallback(fname="best"))  # writes models/best.pth, which the next after_fit loads
+    learn.fit(2, 1e-2, cbs=[SaveModelCallback(fname="best"), FailOnRank1()])
