@@ -11,7 +11,6 @@ order is not shuffled, so one process's batch k is the reference for the ranks' 
 epoch whose training is skipped (the same initial weights everywhere: a pure test of the validation), then the fit.
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -159,6 +158,22 @@ def _versus(numbers: list, reference: list) -> str:
     return f"{loss:.4f}, {acc:.4f} ({loss - ref_loss:+.1e}, {acc - ref_acc:+.1e})"
 
 
+NOTES = """- Validation items evaluated: the items the model's forward pass saw in one validation, all ranks together.
+- Same weights: an epoch whose training is skipped, so every variant validates the same initial weights; after the
+  fit: the last epoch's numbers. Δ: the variant's number minus one process's.
+- Parameters max abs Δ: the largest difference from one process's parameters after the same 4 epochs.
+- samples/s: training items of all ranks over the slowest rank's training time (validation excluded); the ranks share
+  the machine's cores with each other (and with whatever else runs), so it is a rate, not a speed-up claim."""
+
+
+def setting() -> str:
+    """One line: the versions, the machine and the task."""
+    import fastai
+    return (f"fastai {fastai.__version__}, torch {torch.__version__}, {os.cpu_count()} CPU cores, 2 processes (gloo) "
+            f"for the DDP variants; scikit-learn's digits ({N_VALID} validation items), a small CNN, global batch "
+            f"{GLOBAL_BS}, {EPOCHS} epochs of fit_one_cycle({LR}), training order not shuffled.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variant", choices=list(VARIANTS), help="run one variant into OUT (used by the main run)")
@@ -167,7 +182,7 @@ def main() -> None:
     if args.variant:
         return run_variant(args.variant, args.out)
     with tempfile.TemporaryDirectory() as out:
-        text = f"{table(run_all(Path(out)))}\n\nfastai DDP's workaround: {WORKAROUND}.\n"
+        text = f"{setting()}\n\n{table(run_all(Path(out)))}\n\n{NOTES}\n- fastai DDP's workaround: {WORKAROUND}.\n"
     print(text)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(text)

@@ -32,6 +32,8 @@ class Checkpoint(Callback):
         return Path(self.learn.path) / self.learn.model_dir / self.file_name
 
     def before_fit(self):
+        # not in validate() and get_preds() (they run before_fit too, under fastai's no_mbar), nor in lr_find's sweep
+        self.run = self.learn.create_mbar and not hasattr(self.learn, "lr_finder")
         self.resuming = any(isinstance(cb, SkipToEpoch) for cb in self.learn.cbs)  # fit(..., start_epoch=k), k > 0
         self.epoch_ran = False
 

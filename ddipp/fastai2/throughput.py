@@ -25,9 +25,9 @@ class Throughput(Callback):
     With `compare_batches=k`, a distributed fit first times k training batches of one process alone (rank 0, the
     same per-process batch, weights, optimizer state and random generators put back after) and prints one line after
     the first epoch comparing it with the fit's global rate."""
-    order = DistributedCallback.order - 1  # before_fit: the model is on its device (TrainEvalCallback, -10) and not yet
-    # wrapped in DDP, nor the training loader sharded (the one-process timing needs both); the Recorder has not yet
-    # named the results table's columns
+    # before DistributedCallback (the one-process timing needs the model unwrapped and the loader unsharded; the model
+    # is on its device: TrainEvalCallback is -10), and before the Recorder names the results table's columns
+    order = DistributedCallback.order - 1
 
     def __init__(self, compare_batches: int = 0):
         self.compare_batches, self.single_rate = compare_batches, None
@@ -35,6 +35,10 @@ class Throughput(Callback):
         self.columns = [ValueMetric(lambda name=name: self.counts[name], name) for name in COLUMNS]
 
     def before_fit(self):
+        # not in validate() and get_preds() (they run before_fit too, under fastai's no_mbar), nor in lr_find's sweep
+        self.run = self.learn.create_mbar and not hasattr(self.learn, "lr_finder")
+        if not self.run:
+            return
         self.learn.metrics = [m for m in self.learn.metrics if m not in self.columns] + self.columns
         self.single_rate = None
         if self.compare_batches and ddist.world_size() > 1 and ddist.init():
@@ -71,10 +75,12 @@ class Throughput(Callback):
         ddp = distributed_fit(self.learn)
         if ddp is None:  # one process: its loader draws each item at most once per epoch
             return self.count, self.count, self.elapsed
-        seen = torch.zeros(ddp.shard.dl.n, dtype=torch.int32)
-        seen[torch.tensor(ddp.shard.get_idxs(), dtype=torch.int64)[:self.count]] = 1  # the order drawn again, alike
-        totals = reduce_sum(dict(seen=seen, count=torch.tensor(self.count)))
-        elapsed = torch.tensor(self.elapsed, dtype=torch.float64)
+        device = ddist.device()  # where the backend's collectives work (NCCL: CUDA tensors only)
+        seen = torch.zeros(ddp.shard.dl.n, dtype=torch.int32, device=device)
+        mine = torch.tensor(ddp.shard.get_idxs(), dtype=torch.int64, device=device)  # the order drawn again, alike
+        seen[mine[:self.count]] = 1
+        totals = reduce_sum(dict(seen=seen, count=torch.tensor(self.count, device=device)))
+        elapsed = torch.tensor(self.elapsed, dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return int(totals["count"]), int((totals["seen"] > 0).sum()), float(elapsed)
 

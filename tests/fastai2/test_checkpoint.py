@@ -54,6 +54,14 @@ def test_a_start_epoch_without_its_checkpoint_is_refused_with_the_epoch_to_pass(
         ckpt_learner(tmp_path).fit(3, 1e-2, start_epoch=2, cbs=ddipp.Checkpoint(name="run"))
 
 
+def test_validate_get_preds_and_lr_find_write_no_checkpoint(tmp_path):
+    learn = ckpt_learner(tmp_path).add_cb(ddipp.Checkpoint(name="run"))
+    learn.validate()
+    learn.get_preds()
+    learn.lr_find(num_it=5, show_plot=False)
+    assert not (tmp_path / "models" / "run.pth").exists()
+
+
 class _RunsCode:
     """What an attacker could put in a replaced checkpoint file: unpickling it runs a command."""
 

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import ddipp
+
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from extras import digits_dls, digits_learner, launched, throughput_fit  # noqa: E402
 from fit_story import max_diff  # noqa: E402
@@ -47,3 +49,9 @@ def test_one_process_and_the_columns_last_only_for_the_fit():
     res = throughput_fit(digits_learner(digits_dls(bs=32, shuffle=True)))
     assert [epoch[-3:-1] for epoch in res["values"]] == [[TRAINED, TRAINED]] * 2
     assert res["metrics_after"] == 0
+
+
+def test_validate_shows_no_throughput_columns():
+    learn = digits_learner(digits_dls(bs=32)).add_cb(ddipp.Throughput())
+    learn.validate()
+    assert "samples" not in learn.recorder.metric_names and len(learn.final_record) == 1  # the valid loss alone
