@@ -15,7 +15,8 @@ class SumMetric(Metric):
     Subclasses give `sums(output, target)` (a dict of tensors for one batch) and `compute(totals)` (the metric;
     fastai v2 reads it as the `value` property). In a ddipp fit every rank sees each whole validation batch: rank r
     adds the sums of items r, r+N, ... only, and `reduce_sum` adds the ranks' totals once the validation is over,
-    so the value is the single-process one and the per-item work is split."""
+    so the value is the single-process one and the per-item work is split. As a training metric (fastai's
+    `Recorder(train_metrics=True)`) each rank adds the sums of its own batches, which `reduce_sum` adds alike."""
 
     def sums(self, output: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must define sums(output, target) -> dict of tensors")
@@ -25,13 +26,14 @@ class SumMetric(Metric):
 
     def reset(self) -> None:
         self.totals: Optional[Dict[str, torch.Tensor]] = None
-        self.split = False  # the items were split among the ranks of a distributed fit
+        self.distributed = False  # the totals are this rank's part of a distributed fit's
         self.result = None  # the value, once computed from every rank's totals
 
     def accumulate(self, learn) -> None:
-        self.split = distributed_fit(learn) is not None
-        rank, world_size = (ddist.rank(), ddist.world_size()) if self.split else (0, 1)
-        sums = self.sums(learn.pred[rank::world_size], learn.y[rank::world_size])
+        self.distributed = distributed_fit(learn) is not None
+        split = self.distributed and not learn.training  # a validation batch is whole on every rank, a training one not
+        rank, world_size = (ddist.rank(), ddist.world_size()) if split else (0, 1)
+        sums = self.sums(learn.pred.detach()[rank::world_size], learn.y[rank::world_size])
         self.totals = sums if self.totals is None else {k: self.totals[k] + v for k, v in sums.items()}
 
     @property
@@ -41,5 +43,5 @@ class SumMetric(Metric):
         if self.totals is None:
             return None
         if self.result is None:
-            self.result = self.compute(reduce_sum(self.totals) if self.split else self.totals)
+            self.result = self.compute(reduce_sum(self.totals) if self.distributed else self.totals)
         return self.result

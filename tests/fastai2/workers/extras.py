@@ -113,10 +113,13 @@ class OutputMoments(ddipp.SumMetric):
 
 
 def moments_fit(learn) -> dict:
+    """One epoch with OutputMoments as a training and a validation metric: the validation's mean and covariance, and
+    what the recorder holds (train loss, train moments, valid loss, valid moments)."""
     metric = OutputMoments()
     learn.metrics = [metric]
+    learn.recorder.train_metrics = True
     learn.fit(1, 1e-2)
-    return dict(mean=metric.mean, cov=metric.cov, recorded=learn.recorder.values[-1][-1])
+    return dict(mean=metric.mean, cov=metric.cov, recorded=values(learn)[-1])
 
 
 # 3. Checkpoint / resume
