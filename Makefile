@@ -9,11 +9,13 @@ PY2     = $(VENV2)/bin/python
 .PHONY: demo test
 
 # DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
-# script as one plain process, so the two accuracies print one under the other
-demo: $(VENV)/.installed
-	$(PY) -m ddipp.launch $$($(PY) -c "import torch; print('--gpus all' if torch.cuda.is_available() else '--nproc 2')") \
-		examples/scripts/train_digits.py
+# script as one plain process, so the two accuracies print one under the other: fastai v1, then fastai v2
+DDP = $$($(PY) -c "import torch; print('--gpus all' if torch.cuda.is_available() else '--nproc 2')")
+demo: $(VENV)/.installed $(VENV2)/.installed
+	$(PY) -m ddipp.launch $(DDP) examples/scripts/train_digits.py
 	$(PY) examples/scripts/train_digits.py
+	$(PY2) -m ddipp.launch $(DDP) examples/scripts/train_digits_v2.py
+	$(PY2) examples/scripts/train_digits_v2.py
 
 # fastai 1.0.61's own test suite with ddipp (tools/fastai_suite.py), ddipp's core and fastai v1 tests, then its
 # fastai v2 tests in .venv2; all run, any failure fails the target

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..core import dist as ddist
-from ..core.sharding import pad_to_longest, unshard
+from ..core.sharding import pad_to_longest, shared_seed, unshard
 from ..core.syncbn import convert_sync_bn
 from .loaders import repeat_passes, shard_eval_loader, shard_train_loader
 
@@ -67,7 +67,7 @@ class DistributedCallback(LearnerCallback):
         self.fitting = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         learn, data = self.learn, self.learn.data
-        sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, _broadcast_seed())
+        sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, shared_seed())
         if len(sharded) == 0:  # refused before anything changes
             raise ValueError(_no_batch(data.train_dl, self.world_size))
         _check_callbacks(learn)
@@ -276,13 +276,6 @@ class UnnamedFile:
 def hide_progress_bars() -> None:
     """No fastprogress bars in this process (ranks other than 0: rank 0 draws them for everybody)."""
     fastprogress.fastprogress.NO_BAR = True
-
-
-def _broadcast_seed() -> int:
-    """A seed drawn on rank 0 and shared by all ranks, for the order of this fit's shuffles."""
-    seed = [int(torch.randint(0, 2**31 - 1, ()))]
-    dist.broadcast_object_list(seed, src=0)
-    return seed[0]
 
 
 LR_FIND_MODES = ("solo", "distributed")

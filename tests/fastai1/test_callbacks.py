@@ -172,7 +172,8 @@ def failing_launches(tmp_path_factory):
 @pytest.mark.parametrize("story", ["save_model", "lr_find"])
 def test_a_launched_rank_that_raises_ends_the_run_with_its_error_long_before_the_timeout(failing_launches, story):
     rc, stderr, seconds = failing_launches[story]
-    assert rc == 1 and seconds < 10, (seconds, stderr[-3000:])
+    # a third of the 60 s timeout: 6-7 s on a quiet machine, 10 s seen under a load of 5 on 2 cores
+    assert rc == 1 and seconds < 20, (seconds, stderr[-3000:])
     # rank 1 exits with its error, or is stopped while exiting when rank 0's echo of it ended first
     assert re.search(r"rank 1 (failed \(exit code 1\)|raised and was stopped)", stderr)
     assert "ValueError: rank 1 fails on purpose" in stderr
