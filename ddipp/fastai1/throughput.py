@@ -58,11 +58,11 @@ class Throughput(LearnerCallback):
         ddp = distributed_fit(self.learn)
         if ddp is None:  # one process: its sampler draws each item at most once per epoch
             return self.count, self.count, self.elapsed
-        sampler = ddp.train_sampler
-        seen = torch.zeros(len(sampler.sampler), dtype=torch.int32)
-        seen[torch.tensor(list(sampler), dtype=torch.int64)[:self.count]] = 1
-        totals = reduce_sum(dict(seen=seen, count=torch.tensor(self.count)))
-        elapsed = torch.tensor(self.elapsed, dtype=torch.float64)
+        sampler, device = ddp.train_sampler, ddist.device()  # NCCL reduces only tensors on the rank's GPU
+        seen = torch.zeros(len(sampler.sampler), dtype=torch.int32, device=device)
+        seen[torch.tensor(list(sampler), dtype=torch.int64, device=device)[:self.count]] = 1
+        totals = reduce_sum(dict(seen=seen, count=torch.tensor(self.count, device=device)))
+        elapsed = torch.tensor(self.elapsed, dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return int(totals["count"]), int((totals["seen"] > 0).sum()), float(elapsed)
 
