@@ -66,6 +66,12 @@ def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, refer
     assert close(r0["story"][key], reference[key])
 
 
+def test_the_loss_of_each_step_is_the_global_batchs_on_every_rank(ranks, reference):
+    (r0, r1), _ = ranks
+    assert len(r0["story"]["step_losses"]) == 20 and r0["story"]["step_losses"] == r1["story"]["step_losses"]
+    assert close(r0["story"]["step_losses"], reference["step_losses"])
+
+
 def test_validate_and_get_preds_between_fits_cover_the_whole_set_on_every_rank(ranks, reference):
     (r0, r1), _ = ranks
     assert r0["story"]["validate"] == r1["story"]["validate"]

@@ -86,12 +86,25 @@ def history(learn) -> dict:
                 lrs=[float(v) for v in rec.lrs])
 
 
+class StepLosses(Callback):
+    """Records `learn.loss` after each training step, as other callbacks (TerminateOnNaN) read it."""
+    order = 55  # after Recorder
+
+    def before_fit(self):
+        self.losses = []
+
+    def after_batch(self):
+        if self.training:
+            self.losses.append(float(self.learn.loss))
+
+
 def story(learn) -> dict:
     """fit_one_cycle, freeze + fit, unfreeze + fit_flat_cos, fine_tune: the history and parameters after each, whether
     the plain model and the original loaders are back; validate() and get_preds() between fits."""
     res, loaders = {}, (learn.dls.train, learn.dls.valid)
-    learn.fit_one_cycle(1, 1e-2)
-    res["fit"], res["params_fit"] = history(learn), params(learn)
+    steps = StepLosses()
+    learn.fit_one_cycle(1, 1e-2, cbs=steps)
+    res["fit"], res["params_fit"], res["step_losses"] = history(learn), params(learn), steps.losses
     res["restored"] = type(learn.model) is nn.Sequential and (learn.dls.train, learn.dls.valid) == loaders
     res["validate"] = [float(v) for v in learn.validate()]
     res["preds"] = learn.get_preds()[0]
