@@ -7,6 +7,7 @@ import glob
 import os
 import re
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -77,3 +78,22 @@ def sweep_stale_dirs(parent: Path, kind: str) -> None:
         match = re.fullmatch(rf"{re.escape(kind)}-(\d+)-.*", folder.name)
         if match and folder.is_dir() and not pid_alive(int(match[1])):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+class UnnamedFile:
+    """A path whose `open` makes a file with no name (tempfile.TemporaryFile), for a CSV logger on ranks other than
+    0: nothing stays on disk, however the process ends. `folder / UnnamedFile()` is itself (fastai v2 joins its
+    logger's path so). Not os.devnull: fastai v1's CSVLogger fsyncs its file, which /dev/null refuses."""
+
+    def __rtruediv__(self, folder) -> "UnnamedFile":
+        return self
+
+    @property
+    def parent(self) -> Path:  # CSVLogger makes its file's folder: this one exists
+        return Path(tempfile.gettempdir())
+
+    def exists(self) -> bool:
+        return False
+
+    def open(self, mode: str):
+        return tempfile.TemporaryFile(mode)

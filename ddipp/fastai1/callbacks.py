@@ -10,10 +10,8 @@ metrics on each rank alone: ddipp.fastai1.learner.RankValidate).
 """
 import gc
 import math
-import tempfile
 from contextlib import ExitStack
 from functools import partial
-from pathlib import Path
 
 import fastprogress.fastprogress
 import numpy as np
@@ -25,11 +23,11 @@ from fastai.callbacks import CSVLogger, OverSamplingCallback
 from fastai.train import AccumulateScheduler
 from fastai.text.data import pad_collate
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ..core import dist as ddist
 from ..core.sharding import pad_to_longest, shared_seed, unshard
-from ..core.syncbn import convert_sync_bn
+from ..core.ddp import LR_FIND_MODES, wrap
+from ..core.files import UnnamedFile
 from .loaders import repeat_passes, shard_eval_loader, shard_train_loader
 
 
@@ -79,7 +77,7 @@ class DistributedCallback(LearnerCallback):
         self.summed_loss = getattr(learn.loss_func, "reduction", "mean") == "sum"
         model, train_dl, valid_dl = learn.model, data.train_dl, data.valid_dl
         self.undo.callback(_restore, learn, model, train_dl, valid_dl)
-        learn.model = self._wrap(model)
+        learn.model = wrap(model, self.undo, self.sync_bn, self.find_unused_parameters)
         data.train_dl = sharded
         self.train_sampler = sharded.dl.batch_sampler.sampler
         self.undo.callback(_rescale_schedule(learn, len(train_dl) * n_epochs, len(sharded) * n_epochs))
@@ -90,17 +88,6 @@ class DistributedCallback(LearnerCallback):
             data.valid_dl = shard_eval_loader(valid_dl, self.rank, self.world_size)
             self.eval_batches = data.valid_dl.dl.batch_sampler
         self.distributed = True
-
-    def _wrap(self, model: nn.Module) -> DistributedDataParallel:
-        device = ddist.device()
-        if self.sync_bn:
-            self.undo.callback(convert_sync_bn(model))
-        find_unused = self.find_unused_parameters
-        if find_unused is None:  # fastai's RNNs (AWD-LSTM) leave some parameters out of some steps
-            find_unused = hasattr(model, "reset")
-        ddp = ResettableDDP if hasattr(model, "reset") else DistributedDataParallel
-        return ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
-                   find_unused_parameters=find_unused)
 
     def undistribute(self) -> None:
         """Put back the plain model and the original loaders; the rest of the fit runs as one process."""
@@ -207,13 +194,6 @@ def _no_batch(loader, world_size: int) -> str:
             f"bs <= {share} (each rank takes bs items a step; the global batch is bs x {world_size})")
 
 
-class ResettableDDP(DistributedDataParallel):
-    """DDP of a fastai RNN: `reset()`, which fastai's RNNTrainer calls every epoch, reaches the wrapped model."""
-
-    def reset(self) -> None:
-        self.module.reset()
-
-
 def _rescale_schedule(learn: Learner, unsharded: int, sharded: int):
     """Fit the phases of a GeneralScheduler planned for `unsharded` steps to `sharded` steps; returns the undo.
 
@@ -257,28 +237,10 @@ def _csv_loggers_aside(learn: Learner):
     return undo
 
 
-class UnnamedFile:
-    """A path whose `open` makes a file with no name (tempfile.TemporaryFile): nothing stays on disk, however the
-    process ends (a failed, interrupted or killed fit). Not os.devnull: CSVLogger fsyncs its file, which /dev/null
-    refuses."""
-
-    @property
-    def parent(self) -> Path:  # CSVLogger makes its file's folder: this one exists
-        return Path(tempfile.gettempdir())
-
-    def exists(self) -> bool:
-        return False
-
-    def open(self, mode: str):
-        return tempfile.TemporaryFile(mode)
-
-
 def hide_progress_bars() -> None:
     """No fastprogress bars in this process (ranks other than 0: rank 0 draws them for everybody)."""
     fastprogress.fastprogress.NO_BAR = True
 
-
-LR_FIND_MODES = ("solo", "distributed")
 
 
 class LRFinderBypassCallback(LearnerCallback):

@@ -1,5 +1,4 @@
 """`Learner.to_ddp` / `Learner.from_ddp`, added the way fastai v1 adds `to_fp16` and `to_distributed`."""
-import os
 import weakref
 from functools import partial
 from typing import Optional, Sequence, Tuple
@@ -10,9 +9,10 @@ from fastai.core import ifnone, listify
 from fastai.torch_core import is_pathlike, rank_distrib
 
 from ..core import dist as ddist
-from .callbacks import LR_FIND_MODES, DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
-from ..core.files import replacing
+from ..core.ddp import check_matches_launch, check_options
 from ..core.dist import check_gpus
+from ..core.files import replacing
+from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
 from .loaders import lm_eval_loader
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
@@ -27,7 +27,7 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     (a notebook) it binds `learn` to a persistent group of worker processes, one per GPU of `gpus` in that
     order or `nprocs` CPU processes, on which each fit runs; `timeout` is how many seconds a rank may wait for
     the others in a collective before the fit fails instead of hanging."""
-    _check_options(lr_find_mode, timeout)
+    check_options(lr_find_mode, timeout)
     options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
     if not ddist.launched():
         if gpus is None and nprocs is None:
@@ -37,7 +37,7 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
         bind(learn, devices, timeout, options)
         _say_global_batch(learn, len(devices))
         return learn
-    _check_matches_launch(gpus, nprocs)
+    check_matches_launch(gpus, nprocs)
     ddist.init()
     if not ddist.is_rank0():
         hide_progress_bars()  # also for validate() and get_preds() outside a fit
@@ -48,15 +48,6 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
                            partial(LRFinderBypassCallback, mode=lr_find_mode), GCCallback]
     return learn
-
-
-def _check_options(lr_find_mode, timeout) -> None:
-    if lr_find_mode not in LR_FIND_MODES:
-        raise ValueError(f"to_ddp(lr_find_mode={lr_find_mode!r}): use 'solo' (rank 0 sweeps alone) or "
-                         "'distributed' (all ranks sweep with the global batch)")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"to_ddp(timeout={timeout!r}): timeout is the seconds a rank may wait for the others, "
-                         "a number > 0 (default 600)")
 
 
 class AtomicSave:
@@ -148,17 +139,6 @@ def _notebook_devices(gpus, nprocs) -> Tuple[str, ...]:
     except ValueError as e:
         raise ValueError(f"to_ddp(gpus={list(gpus)}): {e}") from None
     return tuple(f"cuda:{g}" for g in gpus)
-
-
-def _check_matches_launch(gpus, nprocs) -> None:
-    launched_devices = os.environ.get(ddist.DEVICES_ENV, "")
-    if gpus is not None and [int(g) for g in gpus] != [int(g) for g in launched_devices.split(",") if g.isdigit()]:
-        raise ValueError(f"to_ddp(gpus={list(gpus)}) but the launcher started this group on "
-                         f"{launched_devices or 'its default devices'}; pass the same gpus or leave gpus out")
-    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", ddist.world_size()))
-    if nprocs is not None and nprocs != local_procs:
-        raise ValueError(f"to_ddp(nprocs={nprocs}) but the launcher started {local_procs} processes on this host; "
-                         "pass the same number or leave nprocs out")
 
 
 Learner.to_ddp = to_ddp

@@ -9,9 +9,7 @@ weights on rank 0 only, behind a barrier the other ranks never reach).
 import copy
 import gc
 import os
-import tempfile
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,12 +18,11 @@ from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.callback.schedule import LRFinder
 from fastai.data.load import DataLoader
 from fastai.torch_core import get_model
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ..core import dist as ddist
 from ..core.sharding import shared_seed, unshard
-from ..core.syncbn import convert_sync_bn
+from ..core.ddp import LR_FIND_MODES, wrap
+from ..core.files import UnnamedFile
 from .loaders import ShardedEvalDL, ShardedTrainDL, WholeEvalDL, splittable
 
 
@@ -122,21 +119,10 @@ class DistributedCallback(Callback):
             self._quiet()
         model = learn.model
         self.undo.callback(setattr, learn, "model", model)
-        learn.model = self._wrap(model)
+        learn.model = wrap(model, self.undo, self.sync_bn, self.find_unused_parameters)
         self.undo.callback(_set_train, learn.dls, train)
         learn.dls.train, self.shard = shard, shard
         self.running = True
-
-    def _wrap(self, model: nn.Module) -> DistributedDataParallel:
-        device = ddist.device()
-        if self.sync_bn:
-            self.undo.callback(convert_sync_bn(model))
-        find_unused = self.find_unused_parameters
-        if find_unused is None:  # fastai's RNNs (AWD-LSTM) leave some parameters out of some steps
-            find_unused = hasattr(model, "reset")
-        ddp = ResettableDDP if hasattr(model, "reset") else DistributedDataParallel
-        return ddp(model, device_ids=[device.index] if device.type == "cuda" else None,
-                   find_unused_parameters=find_unused)
 
     def _quiet(self) -> None:
         """No bars, no results table and no CSV file on this rank during the fit (rank 0 shows and writes them)."""
@@ -240,30 +226,6 @@ def _no_batch(loader: DataLoader, world_size: int) -> str:
             f"({loader.n} items / {world_size} ranks = {share}) and drop_last leaves no batch: use bs <= {share} "
             f"(each rank takes bs items a step; the global batch is bs x {world_size})")
 
-
-class ResettableDDP(DistributedDataParallel):
-    """DDP of a fastai RNN: `reset()`, which fastai's ModelResetter calls, reaches the wrapped model."""
-
-    def reset(self) -> None:
-        self.module.reset()
-
-
-class UnnamedFile:
-    """A CSVLogger file name for ranks other than 0: `learn.path/UnnamedFile()` opens a file with no name
-    (tempfile.TemporaryFile), so nothing is left on disk however the process ends; rank 0 writes the real file."""
-
-    def __rtruediv__(self, folder) -> "UnnamedFile":
-        return self
-
-    @property
-    def parent(self) -> Path:
-        return Path(tempfile.gettempdir())
-
-    def open(self, mode: str):
-        return tempfile.TemporaryFile(mode)
-
-
-LR_FIND_MODES = ("solo", "distributed")
 
 
 class LRFinderBypassCallback(Callback):

@@ -1,5 +1,4 @@
 """`Learner.to_ddp` / `Learner.from_ddp` for fastai v2, added with fastcore's @patch (fastai's own extension idiom)."""
-import os
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,8 +12,9 @@ from fastai.torch_core import rank_distrib
 from fastcore.basics import patch
 
 from ..core import dist as ddist
+from ..core.ddp import check_matches_launch, check_options
 from ..core.files import replacing
-from .callbacks import LR_FIND_MODES, DistributedCallback, GCCallback, LRFinderBypassCallback
+from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
@@ -32,12 +32,12 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
     match it) and adds DistributedCallback (`sync_bn`, `find_unused_parameters`), LRFinderBypassCallback
     (`lr_find_mode`) and GCCallback; `learn.save` and `learn.export` then replace their file only once it is whole.
     `timeout` is for notebook mode, which fastai v2 does not have yet."""
-    _check_options(lr_find_mode, timeout)
+    check_options(lr_find_mode, timeout)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return self
         raise RuntimeError(NOTEBOOK_MODE)
-    _check_matches_launch(gpus, nprocs)
+    check_matches_launch(gpus, nprocs)
     ddist.init()
     if not ddist.is_rank0():
         fastprogress.fastprogress.NO_BAR = True  # rank 0 draws the bars, also of validate() and get_preds()
@@ -59,26 +59,6 @@ def from_ddp(self: Learner) -> Learner:
 
 
 to_ddp, from_ddp = Learner.to_ddp, Learner.from_ddp  # also ddipp.to_ddp(learn, ...) / ddipp.from_ddp(learn)
-
-
-def _check_options(lr_find_mode, timeout) -> None:
-    if lr_find_mode not in LR_FIND_MODES:
-        raise ValueError(f"to_ddp(lr_find_mode={lr_find_mode!r}): use 'solo' (rank 0 sweeps alone) or "
-                         "'distributed' (all ranks sweep with the global batch)")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"to_ddp(timeout={timeout!r}): timeout is the seconds a rank may wait for the others, "
-                         "a number > 0 (default 600)")
-
-
-def _check_matches_launch(gpus, nprocs) -> None:
-    launched_devices = os.environ.get(ddist.DEVICES_ENV, "")
-    if gpus is not None and [int(g) for g in gpus] != [int(g) for g in launched_devices.split(",") if g.isdigit()]:
-        raise ValueError(f"to_ddp(gpus={list(gpus)}) but the launcher started this group on "
-                         f"{launched_devices or 'its default devices'}; pass the same gpus or leave gpus out")
-    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", ddist.world_size()))
-    if nprocs is not None and nprocs != local_procs:
-        raise ValueError(f"to_ddp(nprocs={nprocs}) but the launcher started {local_procs} processes on this host; "
-                         "pass the same number or leave nprocs out")
 
 
 class AtomicSave:

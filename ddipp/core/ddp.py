@@ -1,0 +1,55 @@
+"""What to_ddp does the same for every fastai: check its options against the launch, and wrap a model in DDP."""
+import os
+from contextlib import ExitStack
+from typing import Optional, Sequence
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from . import dist as ddist
+from .syncbn import convert_sync_bn
+
+LR_FIND_MODES = ("solo", "distributed")
+
+
+def check_options(lr_find_mode: str, timeout: float) -> None:
+    """ValueError naming a bad `lr_find_mode` or `timeout` of to_ddp, and what to give instead."""
+    if lr_find_mode not in LR_FIND_MODES:
+        raise ValueError(f"to_ddp(lr_find_mode={lr_find_mode!r}): use 'solo' (rank 0 sweeps alone) or "
+                         "'distributed' (all ranks sweep with the global batch)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"to_ddp(timeout={timeout!r}): timeout is the seconds a rank may wait for the others, "
+                         "a number > 0 (default 600)")
+
+
+def check_matches_launch(gpus: Optional[Sequence[int]], nprocs: Optional[int]) -> None:
+    """ValueError if to_ddp's `gpus` or `nprocs`, in a launched process, differ from what the launcher started."""
+    launched_devices = os.environ.get(ddist.DEVICES_ENV, "")
+    if gpus is not None and [int(g) for g in gpus] != [int(g) for g in launched_devices.split(",") if g.isdigit()]:
+        raise ValueError(f"to_ddp(gpus={list(gpus)}) but the launcher started this group on "
+                         f"{launched_devices or 'its default devices'}; pass the same gpus or leave gpus out")
+    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", ddist.world_size()))
+    if nprocs is not None and nprocs != local_procs:
+        raise ValueError(f"to_ddp(nprocs={nprocs}) but the launcher started {local_procs} processes on this host; "
+                         "pass the same number or leave nprocs out")
+
+
+class ResettableDDP(DistributedDataParallel):
+    """DDP of a fastai RNN: `reset()`, which fastai's RNN trainers call, reaches the wrapped model."""
+
+    def reset(self) -> None:
+        self.module.reset()
+
+
+def wrap(model: nn.Module, undo: ExitStack, sync_bn: bool, find_unused_parameters: Optional[bool]) -> nn.Module:
+    """`model` in DDP on this rank's device, its BatchNorms synced first if `sync_bn` (undone by `undo`).
+
+    `find_unused_parameters=None` turns it on for a model with `reset()`: fastai's RNNs (AWD-LSTM) leave some
+    parameters out of some steps."""
+    if sync_bn:
+        undo.callback(convert_sync_bn(model))
+    resettable = hasattr(model, "reset")
+    find_unused = resettable if find_unused_parameters is None else find_unused_parameters
+    device = ddist.device()
+    return (ResettableDDP if resettable else DistributedDataParallel)(
+        model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=find_unused)
