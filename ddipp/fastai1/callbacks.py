@@ -8,7 +8,6 @@ lets it run to the epoch's end under DDP), and Learner.validate(), which calls o
 on_train_end, is recognised (it has no progress bar) and left undistributed (under to_ddp() it averages its
 metrics on each rank alone: ddipp.fastai1.learner.RankValidate).
 """
-import gc
 import math
 from contextlib import ExitStack
 from functools import partial
@@ -28,6 +27,7 @@ from ..core import dist as ddist
 from ..core.sharding import pad_to_longest, shared_seed, unshard
 from ..core.ddp import LR_FIND_MODES, wrap
 from ..core.files import UnnamedFile
+from ..core.memory import release_memory
 from .loaders import repeat_passes, shard_eval_loader, shard_train_loader
 
 
@@ -328,12 +328,4 @@ class GCCallback(LearnerCallback):
         self.verbose = verbose
 
     def on_train_end(self, **kwargs) -> None:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        reserved = torch.cuda.memory_reserved() if cuda else 0
-        objects = gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        if self.verbose:
-            freed = (reserved - torch.cuda.memory_reserved()) / 2**20 if cuda else 0.0
-            print(f"GCCallback (rank {ddist.rank()}): collected {objects} objects, "
-                  f"released {freed:.1f} MiB of CUDA cache")
+        release_memory(self.verbose)

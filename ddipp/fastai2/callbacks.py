@@ -7,11 +7,9 @@ DistributedDL pads by wrapping around and averages per rank), lr_find sweeps onc
 weights on rank 0 only, behind a barrier the other ranks never reach).
 """
 import copy
-import gc
 import os
 from contextlib import ExitStack, contextmanager
 
-import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import CSVLogger, ProgressCallback
@@ -23,6 +21,7 @@ from ..core import dist as ddist
 from ..core.sharding import shared_seed, unshard
 from ..core.ddp import LR_FIND_MODES, wrap
 from ..core.files import UnnamedFile
+from ..core.memory import release_memory
 from .loaders import ShardedEvalDL, ShardedTrainDL, WholeEvalDL, splittable
 
 
@@ -312,12 +311,4 @@ class GCCallback(Callback):
         self.verbose = verbose
 
     def after_fit(self) -> None:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        reserved = torch.cuda.memory_reserved() if cuda else 0
-        objects = gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        if self.verbose:
-            freed = (reserved - torch.cuda.memory_reserved()) / 2**20 if cuda else 0.0
-            print(f"GCCallback (rank {ddist.rank()}): collected {objects} objects, "
-                  f"released {freed:.1f} MiB of CUDA cache")
+        release_memory(self.verbose)
