@@ -166,8 +166,7 @@ class EpochOrders(Callback):
         self.orders = []
 
     def before_train(self):
-        dl = self.learn.dl
-        self.orders.append([int(i) for i in (dl.order if hasattr(dl, "order") else dl.get_idxs())])
+        self.orders.append([int(i) for i in self.learn.dl.get_idxs()])  # the order the loader reads this epoch
 
 
 def orders(learn, epochs=3) -> list:
