@@ -32,8 +32,9 @@ class DistributedCallback(Callback):
     before the callbacks that read them (Recorder, the bars, the schedules); every change goes on one undo stack,
     closed when the fit ends, after every callback's after_fit, or at once when the fit raises (fastai then calls no
     after_fit): added to a learner, the callback guards `learn.fit` for that. A fit that raises makes this rank leave
-    the process group, so that the other ranks' collectives fail now instead of at the timeout; the next fit joins a
-    new group. Each validation batch is split across ranks and gathered whole on every rank (`ShardedEvalDL`), so the
+    the process group (the next fit joins a new one); the other ranks' collectives fail when its process ends (on
+    gloo, leaving alone does not close their connections: a script that catches the error keeps them waiting until
+    the timeout). Each validation batch is split across ranks and gathered whole on every rank (`ShardedEvalDL`), so the
     loss and every metric are one process's; outside a fit (validate, get_preds) every rank evaluates alone."""
     order = -5  # after TrainEvalCallback (-10) put the model on its device; before Recorder (50) and the bars (60)
 

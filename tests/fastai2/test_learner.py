@@ -5,6 +5,7 @@ import torch
 from fastai.data.core import DataLoaders, Datasets
 from fastai.data.load import DataLoader
 from fastai.learner import Learner, load_learner
+from fastai.metrics import AccumMetric, mae
 from torch.utils.data import TensorDataset
 
 import ddipp
@@ -12,6 +13,7 @@ from ddipp import DistributedCallback, GCCallback, LRFinderBypassCallback
 from ddipp.fastai2.learner import NOTEBOOK_MODE
 
 DDIPP = (DistributedCallback, LRFinderBypassCallback, GCCallback)
+mae_metric = AccumMetric(mae)  # fastai gathers its predictions and targets through learn.to_detach
 
 
 @pytest.fixture
@@ -158,3 +160,21 @@ def test_a_launched_learner_exports_a_plain_learner_atomically(tmp_path, launche
     monkeypatch.undo()
     assert torch.equal(load_learner(learn.path / "model.pkl").model.weight, learn.model.weight)
     assert sorted(p.name for p in learn.path.iterdir()) == ["model.pkl"]
+
+
+def test_validate_and_get_preds_outside_a_fit_need_no_other_rank(tmp_path, launched, monkeypatch):
+    def make():
+        torch.manual_seed(0)
+        x = torch.randn(9, 2)
+        ds = TensorDataset(x, x.sum(1, keepdim=True))
+        dls = DataLoaders(DataLoader(ds, bs=4), DataLoader(ds, bs=4), path=tmp_path, device="cpu")
+        return Learner(dls, torch.nn.Linear(2, 1), loss_func=torch.nn.MSELoss(), metrics=[mae_metric])
+    plain = make()
+    expected, expected_preds = plain.validate(), plain.get_preds()
+    learn = make().to_ddp()
+    for name, value in dict(RANK="0", WORLD_SIZE="2").items():  # fastai gathers across ranks when WORLD_SIZE > 1
+        monkeypatch.setenv(name, value)
+    assert not torch.distributed.is_initialized()  # a gather would raise: no other rank is there
+    assert learn.validate() == expected
+    preds = learn.get_preds()
+    assert torch.equal(preds[0], expected_preds[0]) and preds[0].shape == (9, 1)
