@@ -52,6 +52,16 @@ def test_step_k_of_the_ranks_covers_step_k_of_one_process_with_the_global_batch(
         assert sorted(torch.cat([ranks[0][k], ranks[1][k]]).tolist()) == batch.tolist()
 
 
+def test_fastais_worker_processes_read_the_same_shards_and_parts():
+    def batches(workers):
+        train = ShardedTrainDL(DataLoader(list(range(40)), bs=4, num_workers=workers, shuffle=True, drop_last=True),
+                               1, 2, seed=3)
+        train.set_epoch(2)
+        valid = ShardedEvalDL(DataLoader(list(range(11)), bs=4, num_workers=workers), 1, 2)
+        return [b.tolist() for b in train], [b.tolist() for b in valid]
+    assert batches(2) == batches(0)  # fastai's DataBlock loaders default to a worker per CPU
+
+
 def test_a_shuffled_order_is_the_same_on_all_ranks_and_changes_with_the_epoch():
     dl = DataLoader(list(range(101)), bs=5, shuffle=True, drop_last=True)
     epoch0, again, epoch1 = _orders(dl, 2, epoch=0), _orders(dl, 2, epoch=0), _orders(dl, 2, epoch=1)
