@@ -107,10 +107,10 @@ class DistributedCallback(Callback):
         self.joined, self.rank, self.world_size = True, rank, world_size
         train = learn.dls.train
         if not isinstance(train, DataLoader) or train.bs is None or not train.indexed:
+            kind = f"{type(train).__module__}.{type(train).__name__}"
             raise TypeError(f"ddipp shards a fastai DataLoader of indexed items in batches of bs, and the training "
-                            f"loader is a {type(train).__module__}.{type(train).__name__} (bs={getattr(train, 'bs', None)})"
-                            f": build the DataLoaders with fastai's DataLoader (fastai.data.load.DataLoader) or its "
-                            f"DataBlock API")
+                            f"loader is a {kind} (bs={getattr(train, 'bs', None)}): build the DataLoaders with "
+                            f"fastai's DataLoader (fastai.data.load.DataLoader) or its DataBlock API")
         shard = ShardedTrainDL(train, rank, world_size, shared_seed())
         if len(shard) == 0:  # refused before anything changes
             raise ValueError(_no_batch(train, world_size))

@@ -1,4 +1,4 @@
-"""fastai v2 loaders across ranks: a training loader's own order sharded by position, each validation batch split in parts.
+"""fastai v2 loaders across ranks: a training loader's own order sharded by position, validation batches split in parts.
 
 Built on ddipp.core.sharding: ShardedSampler shards the order `get_idxs()` gives, ShardedEvalBatchSampler splits the
 batches of a validation loader; these classes only read fastai's DataLoader through its own methods (`get_idxs`,

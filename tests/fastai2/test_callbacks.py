@@ -134,12 +134,15 @@ def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fi
         assert close(rank["failed_fit"]["fit"], single["fit"])
 
 
-def test_a_per_process_batch_larger_than_a_ranks_share_is_refused_naming_the_fix(ranks):
+def test_a_per_process_batch_larger_than_a_ranks_share_or_a_torch_loader_is_refused_naming_the_fix(ranks):
     (r0, r1), _ = ranks
     for rank in (r0, r1):
         assert rank["too_large_bs"].startswith("ValueError")
         assert ("the per-process batch size bs=16 is larger than a rank's share of the training set (20 items / 2 "
                 "ranks = 10) and drop_last leaves no batch: use bs <= 10") in rank["too_large_bs"]
+        assert rank["torch_loader"].startswith("TypeError")
+        assert ("the training loader is a torch.utils.data.dataloader.DataLoader (bs=None): build the DataLoaders "
+                "with fastai's DataLoader") in rank["torch_loader"]
 
 
 def test_sync_bn_save_load_and_export_keep_one_processs_weights_on_every_rank(ranks, tmp_path):

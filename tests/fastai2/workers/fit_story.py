@@ -12,6 +12,7 @@ from fastai.tabular.all import Normalize, TabularDataLoaders, tabular_learner
 from fastai.torch_core import params as group_params
 from sklearn.datasets import load_digits
 from torch import nn
+from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset
 
 TOL = 1e-5  # how close a 2-rank number must be to the one-process number (float summation order differs)
@@ -217,6 +218,13 @@ def refused(make) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def torch_loaders_learner(path) -> Learner:
+    """A learner whose loaders are PyTorch's own DataLoaders (fastai v2 trains with them in one process)."""
+    x, y = _digits()
+    ds = TensorDataset(x[101:200], y[101:200])
+    return digits_learner(DataLoaders(TorchDataLoader(ds, 16), TorchDataLoader(ds, 16)), path)
 
 
 def tiny_valid(learn) -> list:

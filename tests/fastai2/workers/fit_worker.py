@@ -16,7 +16,8 @@ import ddipp  # noqa: E402
 from fastai.callback.core import Callback  # noqa: E402
 from fastai.callback.tracker import SaveModelCallback  # noqa: E402
 from fit_story import (ReversedDL, digits_dls, digits_learner, failed_fit, orders, refused,  # noqa: E402
-                       saved_and_exported, story, sweep, tabular_digits_learner, tiny_valid)
+                       saved_and_exported, story, sweep, tabular_digits_learner, tiny_valid,
+                       torch_loaders_learner)
 
 out = Path(sys.argv[1])
 rank = ddipp.rank()
@@ -40,6 +41,7 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     res["own_orders"] = orders(digits_learner(digits_dls(bs=16, dl_type=ReversedDL), out / "orders").to_ddp(), 1)
     res["failed_fit"] = failed_fit(digits_learner(digits_dls(bs=16), out / "failed").to_ddp())
     res["too_large_bs"] = refused(lambda: digits_learner(digits_dls(bs=16, n_train=20), out / "bad").to_ddp())
+    res["torch_loader"] = refused(lambda: torch_loaders_learner(out / "bad").to_ddp())
     res["saved"] = saved_and_exported(tabular_digits_learner(out / "tabular", bs=16).to_ddp(sync_bn=True))
     torch.save(res, out / f"rank{rank}.pt")
     learn = digits_learner(digits_dls(bs=16), out / "fail").to_ddp()
