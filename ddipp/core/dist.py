@@ -118,7 +118,7 @@ def init() -> bool:
     """Join the process group the launcher described (NCCL on CUDA, gloo on CPU); False when not launched.
 
     After `leave()` it joins a new group of the same ranks, through the old group's store: every rank left when a
-    fit failed, so all of them meet again at their next fit (a script that caught the error goes on)."""
+    fit failed, so all of them meet again at their next fit (a script whose every rank caught the error goes on)."""
     if dist.is_initialized():
         return True
     if not launched():
