@@ -29,7 +29,6 @@ import torch.distributed as dist
 from .. import dist as ddist
 from ..files import owned_dir_prefix, sweep_stale_dirs
 from .wire import digest, dumps, receive, send
-from .worker import CONNECTION_FD_ENV
 
 START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
 LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
@@ -89,7 +88,7 @@ class WorkerGroup:
                    TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
                    PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
                    **{ddist.DEVICES_ENV: "cpu" if cpu else ",".join(d.split(":")[1] for d in self.devices),
-                      ddist.TIMEOUT_ENV: str(self.timeout), CONNECTION_FD_ENV: str(theirs.fileno())},
+                      ddist.TIMEOUT_ENV: str(self.timeout), ddist.CONNECTION_FD_ENV: str(theirs.fileno())},
                    **ddist.loopback_env())
         if cpu:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.devices)))

@@ -14,9 +14,8 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from ..dist import CONNECTION_FD_ENV
 from .wire import receive, send
-
-CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"
 
 
 def _exit_with_parent() -> None:
