@@ -1,12 +1,15 @@
-"""What to_ddp does the same for every fastai: check its options against the launch, and wrap a model in DDP."""
+"""What to_ddp does the same for every fastai: check its options against the launch or choose a notebook's devices,
+and wrap a model in DDP."""
 import os
 from contextlib import ExitStack
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import dist as ddist
+from .dist import check_gpus
 from .syncbn import convert_sync_bn
 
 LR_FIND_MODES = ("solo", "distributed")
@@ -32,6 +35,33 @@ def check_matches_launch(gpus: Optional[Sequence[int]], nprocs: Optional[int]) -
     if nprocs is not None and nprocs != local_procs:
         raise ValueError(f"to_ddp(nprocs={nprocs}) but the launcher started {local_procs} processes on this host; "
                          "pass the same number or leave nprocs out")
+
+
+def notebook_devices(gpus: Optional[Sequence[int]], nprocs: Optional[int]) -> Tuple[str, ...]:
+    """A notebook's worker devices, rank order: "cuda:i" for each of `gpus`, or "cpu" `nprocs` times."""
+    if gpus is not None and nprocs is not None:
+        raise ValueError(f"to_ddp(gpus={list(gpus)}, nprocs={nprocs}): give gpus for GPUs or nprocs for CPU "
+                         "processes, not both")
+    if nprocs is not None:
+        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"to_ddp(nprocs={nprocs!r}): nprocs is the number of CPU processes, a whole number >= 1")
+        return ("cpu",) * nprocs
+    if isinstance(gpus, int) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus) \
+            or not gpus:
+        raise ValueError(f"to_ddp(gpus={gpus!r}): gpus is a list of GPU indices, e.g. gpus=[0, 1]")
+    try:
+        check_gpus(list(gpus), torch.cuda.device_count(), "gpus=[0, 1]", "to_ddp(nprocs=N)")
+    except ValueError as e:
+        raise ValueError(f"to_ddp(gpus={list(gpus)}): {e}") from None
+    return tuple(f"cuda:{g}" for g in gpus)
+
+
+def say_global_batch(bs: Optional[int], processes: int) -> None:
+    """Print the global batch a notebook's learner now trains with: bs is per process, as in a launched script."""
+    if bs:
+        print(f"ddipp: global batch {bs * processes} = {bs} per process x {processes} (an epoch takes 1/{processes} "
+              f"of the steps of one process with bs={bs}); scale the learning rate or the batch size to match one "
+              "process's training")
 
 
 class ResettableDDP(DistributedDataParallel):

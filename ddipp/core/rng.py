@@ -10,6 +10,13 @@ import torch.distributed as dist
 from . import dist as ddist
 
 
+def seed_all(seed: int) -> None:
+    """Seed python's, numpy's and torch's generators, as a script that seeds does."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
 def rng_state() -> list:
     """This process's python, numpy, torch CPU and (if in use) current CUDA generator states, as tensors and lists."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None

@@ -1,7 +1,7 @@
 """`Learner.to_ddp` / `Learner.from_ddp`, added the way fastai v1 adds `to_fp16` and `to_distributed`."""
 import weakref
 from functools import partial
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from fastai.basic_train import Learner
 from fastai.callback import AverageMetric, Callback
@@ -9,8 +9,7 @@ from fastai.core import ifnone, listify
 from fastai.torch_core import is_pathlike, rank_distrib
 
 from ..core import dist as ddist
-from ..core.ddp import check_matches_launch, check_options
-from ..core.dist import check_gpus
+from ..core.ddp import check_matches_launch, check_options, notebook_devices, say_global_batch
 from ..core.files import replacing
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
 from .loaders import lm_eval_loader
@@ -32,10 +31,12 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return learn
-        from .notebook.binding import bind
-        devices = _notebook_devices(gpus, nprocs)
-        bind(learn, devices, timeout, options)
-        _say_global_batch(learn, len(devices))
+        from ..core.group.binding import bind
+        from .notebook.binding import fit_on_group
+        devices = notebook_devices(gpus, nprocs)
+        bind(learn, devices, timeout, options, fit_on_group)
+        dl = learn.data.train_dl.dl
+        say_global_batch(dl.batch_size or getattr(dl.batch_sampler, "batch_size", None), len(devices))
         return learn
     check_matches_launch(gpus, nprocs)
     ddist.init()
@@ -106,39 +107,9 @@ def from_ddp(learn: Learner) -> Learner:
         if isinstance(vars(learn).get(name), kind):
             delattr(learn, name)
     if "ddp" in vars(learn):
-        from .notebook.binding import unbind
+        from ..core.group.binding import unbind
         unbind(learn)
     return learn
-
-
-def _say_global_batch(learn: Learner, processes: int) -> None:
-    """Print the global batch a notebook's learner now trains with: bs is per process, as in a launched script."""
-    dl = learn.data.train_dl.dl
-    bs = dl.batch_size or getattr(dl.batch_sampler, "batch_size", None)
-    if bs:
-        print(f"ddipp: global batch {bs * processes} = {bs} per process x {processes} (an epoch takes 1/{processes} "
-              f"of the steps of one process with bs={bs}); scale the learning rate or the batch size to match one "
-              "process's training")
-
-
-def _notebook_devices(gpus, nprocs) -> Tuple[str, ...]:
-    """The workers' devices, rank order: "cuda:i" for each of `gpus`, or "cpu" `nprocs` times."""
-    import torch
-    if gpus is not None and nprocs is not None:
-        raise ValueError(f"to_ddp(gpus={list(gpus)}, nprocs={nprocs}): give gpus for GPUs or nprocs for CPU "
-                         "processes, not both")
-    if nprocs is not None:
-        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-            raise ValueError(f"to_ddp(nprocs={nprocs!r}): nprocs is the number of CPU processes, a whole number >= 1")
-        return ("cpu",) * nprocs
-    if isinstance(gpus, int) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus) \
-            or not gpus:
-        raise ValueError(f"to_ddp(gpus={gpus!r}): gpus is a list of GPU indices, e.g. gpus=[0, 1]")
-    try:
-        check_gpus(list(gpus), torch.cuda.device_count(), "gpus=[0, 1]", "to_ddp(nprocs=N)")
-    except ValueError as e:
-        raise ValueError(f"to_ddp(gpus={list(gpus)}): {e}") from None
-    return tuple(f"cuda:{g}" for g in gpus)
 
 
 Learner.to_ddp = to_ddp

@@ -10,6 +10,7 @@ import copy
 import os
 from contextlib import ExitStack, contextmanager
 
+import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import CSVLogger, ProgressCallback
@@ -48,6 +49,7 @@ class DistributedCallback(Callback):
         self.shard = None  # this fit's ShardedTrainDL (its set_epoch)
         self.parts = None  # the ShardedEvalDL of the validation running, when it is split across ranks
         self.summed_loss = False  # the loss function sums over the batch (else it averages)
+        self.stopping = False  # an interrupt reached every rank: stop before the next batch
 
     _learn, _guard = None, None  # the learner it is on, and the guard of that learner's fit
 
@@ -156,15 +158,23 @@ class DistributedCallback(Callback):
         if self.running:
             self.shard.set_epoch(self.learn.epoch)
 
+    def before_batch(self) -> None:
+        if self.stopping:
+            self.stopping = False
+            raise ddist.StopRequested("ddipp: the fit was interrupted; every rank stopped after the same step")
+
     def after_loss(self) -> None:
         """The loss of a training step becomes the global batch's on every rank: what Recorder smooths and callbacks
-        decide on (TerminateOnNaN) agrees everywhere. DDP's backward works on this rank's own loss."""
+        decide on (TerminateOnNaN) agrees everywhere. DDP's backward works on this rank's own loss. A stop asked on
+        any rank (a notebook's interrupt) travels with it, so every rank stops after this same step."""
         learn = self.learn
         if not (self.running and learn.training):
             return
-        loss = learn.loss.detach().float().clone()
-        dist.all_reduce(loss)
+        loss_and_stop = torch.stack([learn.loss.detach().float(), learn.loss.new_tensor(ddist.stop_requested()).float()])
+        dist.all_reduce(loss_and_stop)
+        loss, stop = loss_and_stop
         learn.loss = (loss if self.summed_loss else loss / self.world_size).to(learn.loss.dtype)
+        self.stopping = bool(stop)
 
     def before_validate(self) -> None:
         learn = self.learn

@@ -12,16 +12,11 @@ from fastai.torch_core import rank_distrib
 from fastcore.basics import patch
 
 from ..core import dist as ddist
-from ..core.ddp import check_matches_launch, check_options
+from ..core.ddp import check_matches_launch, check_options, notebook_devices, say_global_batch
 from ..core.files import replacing
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
-
-NOTEBOOK_MODE = ("notebook mode for fastai v2 is not available yet: this process was not started by a launcher; "
-                 "run the script with python -m ddipp.launch --nproc N script.py (CPU processes) or "
-                 "python -m ddipp.launch --gpus 0,1 script.py, and call learn.to_ddp() without gpus/nprocs there")
-
 
 @patch
 def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None, sync_bn: bool = False,
@@ -31,12 +26,20 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
     In a process started by `python -m ddipp.launch` it joins the launcher's group (`gpus`/`nprocs`, if given, must
     match it) and adds DistributedCallback (`sync_bn`, `find_unused_parameters`), LRFinderBypassCallback
     (`lr_find_mode`) and GCCallback; `learn.save` and `learn.export` then replace their file only once it is whole.
-    `timeout` is for notebook mode, which fastai v2 does not have yet."""
+    Elsewhere (a notebook) it binds the learner to a persistent group of worker processes, one per GPU of `gpus` in
+    that order or `nprocs` CPU processes, on which each fit runs; `timeout` is how many seconds a rank may wait for the
+    others in a collective before the fit fails instead of hanging."""
     check_options(lr_find_mode, timeout)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return self
-        raise RuntimeError(NOTEBOOK_MODE)
+        from ..core.group.binding import bind
+        from .notebook.binding import fit_on_group
+        devices = notebook_devices(gpus, nprocs)
+        options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
+        bind(self, devices, timeout, options, fit_on_group)
+        say_global_batch(self.dls.train.bs, len(devices))
+        return self
     check_matches_launch(gpus, nprocs)
     ddist.init()
     if not ddist.is_rank0():
@@ -50,11 +53,15 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
 
 @patch
 def from_ddp(self: Learner) -> Learner:
-    """Back to plain single-process fastai: removes ddipp's callbacks and its `save`/`export`."""
+    """Back to plain single-process fastai: removes ddipp's callbacks and its `save`/`export`, or the binding to a
+    notebook's workers."""
     self.remove_cbs([cb for cb in self.cbs if isinstance(cb, _DDIPP_CALLBACKS)])
     for name, kind in (("save", AtomicSave), ("export", AtomicExport)):
         if isinstance(vars(self).get(name), kind):
             delattr(self, name)
+    if "ddp" in vars(self):
+        from ..core.group.binding import unbind
+        unbind(self)
     return self
 
 

@@ -10,7 +10,6 @@ from torch.utils.data import TensorDataset
 
 import ddipp
 from ddipp import DistributedCallback, GCCallback, LRFinderBypassCallback
-from ddipp.fastai2.learner import NOTEBOOK_MODE
 
 DDIPP = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 mae_metric = AccumMetric(mae)  # fastai gathers its predictions and targets through learn.to_detach
@@ -41,15 +40,18 @@ def test_to_ddp_is_a_no_op_in_a_plain_process(learn, monkeypatch):
     assert learn.to_ddp() is learn and list(learn.cbs) == before and "fit" not in vars(learn)
 
 
-@pytest.mark.parametrize("kwargs", [dict(nprocs=2), dict(gpus=[0, 1])])
-def test_to_ddp_in_a_process_no_launcher_started_says_to_launch_the_script(learn, monkeypatch, kwargs):
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(nprocs=0), "to_ddp(nprocs=0): nprocs is the number of CPU processes, a whole number >= 1"),
+    (dict(gpus=[0], nprocs=2), "to_ddp(gpus=[0], nprocs=2): give gpus for GPUs or nprocs for CPU processes, not both"),
+    (dict(gpus=3), "to_ddp(gpus=3): gpus is a list of GPU indices, e.g. gpus=[0, 1]"),
+    (dict(gpus=[0, 1]), "to_ddp(gpus=[0, 1]): this host has no GPU; use to_ddp(nprocs=N) to run N CPU processes")])
+def test_to_ddp_in_a_notebook_refuses_bad_devices_naming_the_fix(learn, monkeypatch, kwargs, message):
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RuntimeError) as raised:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError) as raised:
         learn.to_ddp(**kwargs)
-    assert str(raised.value) == NOTEBOOK_MODE
-    assert str(raised.value).startswith("notebook mode for fastai v2 is not available yet")
-    assert "python -m ddipp.launch --nproc N script.py" in str(raised.value) and _ddipp_callbacks(learn) == []
+    assert str(raised.value) == message and "ddp" not in vars(learn)
 
 
 def test_to_ddp_attaches_the_callbacks_once_and_from_ddp_removes_them(learn, launched):

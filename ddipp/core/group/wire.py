@@ -2,9 +2,9 @@
 
 Objects both sides already hold (the learner, its data and loaders, the model's modules and parameters,
 progress bars) travel as references to the receiver's own; CUDA tensors travel through the CPU and land on
-the receiver's device, so no process ever touches another's GPU; CPU tensors travel as numpy arrays whose
-bytes go out of band (no copy into the pickle, and equal data pickles to equal bytes); the weak references
-fastai's callbacks keep to their learner survive the trip.
+the receiver's device, so no process ever touches another's GPU; parameters travel with their gradients; CPU
+tensors travel as numpy arrays whose bytes go out of band (no copy into the pickle, and equal data pickles to
+equal bytes); the weak references fastai's callbacks keep to their learner survive the trip.
 """
 import copyreg
 import hashlib
@@ -12,7 +12,7 @@ import io
 import pickle
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any, Dict, Hashable, List, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
 import cloudpickle
 import numpy as np
@@ -26,9 +26,28 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex64, t
                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
 
 
-def _on_receiver_device(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
-    tensor = tensor.to(_receiver_device)
-    return nn.Parameter(tensor, requires_grad) if parameter else tensor.requires_grad_(requires_grad)
+def _on_receiver_device(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return tensor.to(_receiver_device).requires_grad_(requires_grad)
+
+
+def grad_spec(grad: Optional[torch.Tensor]) -> Union[None, str, torch.Tensor]:
+    """How a parameter's gradient travels: None, "zeros" (what fastai's zero_grad leaves; no bytes sent), or itself.
+    fastai's optimizers step every parameter that has a gradient, zero or not (a frozen one included: weight decay)."""
+    if grad is None or grad.any():
+        return grad
+    return "zeros"
+
+
+def grad_from_spec(spec: Union[None, str, torch.Tensor], param: torch.Tensor) -> Optional[torch.Tensor]:
+    if isinstance(spec, str):
+        return torch.zeros_like(param)
+    return None if spec is None else spec.to(param.device)
+
+
+def _parameter(data: torch.Tensor, requires_grad: bool, grad) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad)
+    param.grad = grad_from_spec(grad, param)
+    return param
 
 
 def _tensor_from_numpy(array: np.ndarray, requires_grad: bool) -> torch.Tensor:
@@ -86,8 +105,10 @@ class _Pickler(cloudpickle.Pickler):
         return None
 
     def reducer_override(self, obj):
-        if type(obj) in (torch.Tensor, nn.Parameter) and obj.is_cuda:
-            return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad, type(obj) is nn.Parameter)
+        if type(obj) is nn.Parameter:  # with its gradient, which torch's own pickling leaves out
+            return _parameter, (obj.detach(), obj.requires_grad, grad_spec(obj.grad))
+        if type(obj) is torch.Tensor and obj.is_cuda:
+            return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad)
         if _travels_as_numpy(obj):  # torch's own pickling copies the bytes and names them by address
             return _tensor_from_numpy, (obj.detach().numpy(), obj.requires_grad)
         if type(obj) is weakref.ReferenceType:
@@ -176,5 +197,34 @@ def digest(blob: bytes, buffers: List[pickle.PickleBuffer]) -> str:
 
 
 def travelling_state(learn: Any) -> dict:
-    """The learner's attributes, without ddipp's binding to its worker group."""
-    return {k: v for k, v in vars(learn).items() if k not in BINDING_ATTRS}
+    """The learner's attributes as its class pickles them (fastai v2 leaves out its lock), without ddipp's binding
+    to its worker group."""
+    own = type(learn).__getstate__ is not object.__getstate__
+    return {k: v for k, v in (learn.__getstate__() if own else vars(learn)).items() if k not in BINDING_ATTRS}
+
+
+def fit_request(objects: Dict[Hashable, Any], learner: Any, **call) -> bytes:
+    """A fit `call` (the learner, the fit's arguments) as bytes, with a seed drawn from the notebook's torch generator:
+    a notebook that seeds torch gets the same shuffles, dropout and augmentations on the workers run after run, as a
+    local fit would. TypeError naming the first part that cannot be pickled, and the fix."""
+    call["seed"] = int(torch.randint(0, 2**31 - 1, ()))
+    try:
+        return dumps(call, objects=objects, learner=learner)
+    except Exception as e:
+        path = unpicklable_path({k: v for k, v in call.items() if k != "seed"}, {**objects, "learn": learner})
+        raise TypeError(f"ddipp sends the learner to its worker processes, and {path} cannot be pickled ({e}); "
+                        f"set it to None or delete it before the fit, or make its class picklable") from e
+
+
+def without_unpicklable(state: dict, objects: Dict[Hashable, Any]) -> Tuple[dict, List[str]]:
+    """`state` (an object's attributes) with None for each value `dumps` cannot pickle, and the names of those that
+    held something (a closed file holds nothing to lose)."""
+    kept, lost = dict(state), []
+    for name, value in state.items():
+        try:
+            dumps(value, objects)
+        except Exception:
+            kept[name] = None
+            if not (isinstance(value, io.IOBase) and value.closed):
+                lost.append(name)
+    return kept, lost

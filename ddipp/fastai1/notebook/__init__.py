@@ -4,7 +4,7 @@ How one fit flows (each box a module of this package)::
 
     notebook                                        worker process (one per rank, fresh interpreter)
     --------                                        ------------------------------------------------
-    learn.fit(...)  -> binding   (learn.fit of a bound learner)
+    learn.fit(...)  -> binding.fit_on_group   (learn.fit of a learner core.group.binding bound)
                     -> fitting.fit_call   (the learner as bytes: shipping)
                     -> group.WorkerGroup  ==socket==> worker.Worker (its command loop)
                                                         -> fitting.run_fit: learn.to_ddp(), learn.fit(...)

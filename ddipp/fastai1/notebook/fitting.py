@@ -5,36 +5,25 @@ with ddipp's callbacks as in a launched script; rank 0 sends back what a local f
 learner: weights, optimizer state, and the callbacks it attached (the recorder among them).
 """
 import copy
-import io
-import random
 import sys
 from typing import Any, Callable, List, Optional
 
-import numpy as np
 import torch
 from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner
 from fastai.callback import Callback
 
 from ...core import dist as ddist
-from ...core.group.wire import dumps, loads, unpicklable_path
-from .progress import ProgressRelay, relayed_output
+from ...core.group.output import relayed_output
+from ...core.group.wire import dumps, fit_request, loads, without_unpicklable
+from ...core.rng import seed_all
+from .progress import ProgressRelay
 from .shipping import data_objects, learner_objects, loaders, move_optimizer_state
 
 
 def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
-    """The notebook's half: `learn.fit(epochs, lr, wd, callbacks)` as bytes, the learner's data as a reference.
-
-    It carries a seed drawn from the notebook's torch generator: a notebook that seeds torch gets the same
-    shuffles, dropout and augmentations on the workers run after run, as a local fit would."""
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    call = dict(learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks, seed=seed)
-    try:
-        return dumps(call, objects=data_objects(learn.data), learner=learn)
-    except Exception as e:
-        path = unpicklable_path(dict(learn=learn, callbacks=callbacks), {**data_objects(learn.data), "learn": learn})
-        raise TypeError(f"ddipp sends the learner to its worker processes, and {path} cannot be pickled ({e}); "
-                        f"set it to None or delete it before the fit, or make its class picklable") from e
+    """The notebook's half: `learn.fit(epochs, lr, wd, callbacks)` as bytes, the learner's data as a reference."""
+    return fit_request(data_objects(learn.data), learn, learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks)
 
 
 def place_data(data: DataBunch, device: torch.device) -> DataBunch:
@@ -52,7 +41,7 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
     A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
     local fit: what was trained so far comes back."""
     request = loads(call, data_objects(data), device)
-    _seed(request["seed"])  # every rank alike, as a launched script that seeds does
+    seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
     learn.model.to(device)
     move_optimizer_state(learn)
@@ -94,14 +83,8 @@ def _travelling(callback: Callback, path: str, objects: dict, notes: list) -> Op
     except Exception as e:
         error = e
     stripped = copy.copy(callback)
-    dropped = []
-    for name, value in vars(callback).items():
-        try:
-            dumps(value, objects)
-        except Exception:
-            setattr(stripped, name, None)
-            if not (isinstance(value, io.IOBase) and value.closed):  # a closed file holds nothing to lose
-                dropped.append(name)
+    state, dropped = without_unpicklable(vars(callback), objects)
+    vars(stripped).update(state)
     try:
         dumps(stripped, objects)
     except Exception:
@@ -111,12 +94,6 @@ def _travelling(callback: Callback, path: str, objects: dict, notes: list) -> Op
         notes.append(f"{path} ({type(callback).__name__}) came back with {', '.join(dropped)} set to None: "
                      f"{'it' if len(dropped) == 1 else 'they'} cannot be pickled ({error})")
     return stripped
-
-
-def _seed(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
 
 
 def _attached_callbacks(learn: Learner) -> dict:

@@ -1,14 +1,11 @@
 """Rank 0's progress bars and output, drawn in the notebook by fastprogress itself.
 
 In the worker, `ProgressRelay` turns what fastai's fit does with its master bar (start, epochs, the child
-bars of each epoch, the results table, graphs) into events, and `RelayedStream` forwards prints; in the
+bars of each epoch, the results table, graphs) into events (prints go through ddipp.core.group.output); in the
 notebook, `ProgressMirror` replays the events on the notebook's own `master_bar`/`progress_bar` — HTML in
 Jupyter, text in a terminal — so a remote fit shows what a local one shows. One interface, another source.
 """
-import io
-import sys
-from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Callable
 
 import fastai.basic_train
 from fastai.callback import Callback
@@ -73,44 +70,3 @@ class ProgressMirror:
         """Show the bar as interrupted, as fastprogress does when a local fit raises."""
         if self.bar is not None and self.bar.main_bar.last_v is not None:
             self.bar.main_bar.on_interrupt()
-
-
-class RelayedStream(io.TextIOBase):
-    """A text stream that sends whole lines to `send` as ("out", name, text), with a terminal's carriage return:
-    of a line rewritten with '\\r' (console progress bars) only the last version is sent."""
-
-    def __init__(self, name: str, send: Callable[[tuple], None]):
-        self.name, self.send, self.pending = name, send, ""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        self.pending += text
-        if "\n" in self.pending:
-            lines, self.pending = self.pending.rsplit("\n", 1)
-            self.send(("out", self.name, "".join(line.rsplit("\r", 1)[-1] + "\n" for line in lines.split("\n"))))
-        return len(text)
-
-    def close_line(self) -> None:
-        """Send what is left of an unfinished line."""
-        rest, self.pending = self.pending.rsplit("\r", 1)[-1], ""
-        if rest:
-            self.send(("out", self.name, rest))
-
-
-@contextmanager
-def relayed_output(send: Optional[Callable[[tuple], None]]):
-    """Within the block, this process's prints and warnings go to `send` (nothing changes when it is None)."""
-    if send is None:
-        yield
-        return
-    streams = RelayedStream("stdout", send), RelayedStream("stderr", send)
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = streams
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-        for stream in streams:
-            stream.close_line()

@@ -1,0 +1,17 @@
+"""Notebook mode for fastai v2: a notebook's learner fits on a persistent group of worker processes, one per device.
+
+How one fit flows (each box a module of this package, or of ddipp.core.group)::
+
+    notebook                                          worker process (one per rank, fresh interpreter)
+    --------                                          ------------------------------------------------
+    learn.fit(...)  -> binding.fit_on_group  (learn.fit of a learner core.group.binding bound)
+                    -> fitting.fit_call   (the learner and the fit's callbacks as bytes: shipping)
+                    -> core.group.WorkerGroup  ==socket==> core.group.worker.Worker (its command loop)
+                                                           -> fitting.run_fit: learn.to_ddp(), learn.fit(...)
+                       progress.ProgressMirror  <======= progress.ProgressRelay (rank 0's bars and table)
+                       (prints)                 <======= core.group.output (rank 0's prints and warnings)
+                       fitting.apply_results    <======= rank 0's weights, optimizer, learner and callback state
+
+fit_one_cycle, fine_tune, fit_flat_cos and lr_find call `learn.fit`, so each of their fits runs on the group; what
+they do around it (freezing, schedules, lr_find's suggestions and plot) runs in the notebook, as in plain fastai.
+"""

@@ -1,0 +1,135 @@
+"""One notebook fit, both halves: the call the notebook sends, the fit a worker runs, the results that come back.
+
+The notebook's learner travels with everything but its data (which the workers already keep); the fit runs with
+ddipp's callbacks as in a launched script; rank 0 sends back what a local fit would have changed: the weights and the
+optimizer, the learner's attributes (final_record, epoch, ...) and the state of every callback of the fit (the
+recorder's losses and values, SaveModelCallback's best, CSVLogger's file name), each put back on the notebook's own
+objects, so a callback the user holds sees what the fit did to it.
+"""
+import sys
+from contextlib import ExitStack
+from typing import Any, Callable, List, Optional
+
+import torch
+from fastai.callback.progress import ProgressCallback
+from fastai.data.core import DataLoaders
+from fastai.learner import Learner
+
+from ...core import dist as ddist
+from ...core.group.output import relayed_output
+from ...core.group.wire import (dumps, fit_request, grad_from_spec, grad_spec, loads, travelling_state,
+                                without_unpicklable)
+from ...core.rng import seed_all
+from .progress import ProgressRelay
+from .shipping import data_objects, fit_callbacks, learner_objects, move_optimizer_state
+
+_HELD = ("dls", "model", "opt", "cbs")  # the learner's attributes that come back otherwise (or are the same objects)
+
+
+def fit_call(learn: Learner, n_epoch: int, lr: Any, wd: Any, cbs: Any, reset_opt: bool, start_epoch: int) -> bytes:
+    """The notebook's half: `learn.fit(...)` as bytes, the learner's data as a reference."""
+    return fit_request(data_objects(learn.dls), learn, learn=learn, n_epoch=n_epoch, lr=lr, wd=wd, cbs=cbs,
+                       reset_opt=reset_opt, start_epoch=start_epoch)
+
+
+def place_data(dls: DataLoaders, device: torch.device) -> DataLoaders:
+    """Make `dls` deliver its batches on `device` (the notebook's may be another GPU, or none)."""
+    dls.device = device
+    return dls
+
+
+def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device,
+            send: Optional[Callable[[tuple], None]]) -> Optional[List[bytes]]:
+    """A worker's half: run the call under DDP; on rank 0 (the one given `send`) relay progress, return results.
+
+    A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
+    local fit: what was trained so far comes back."""
+    request = loads(call, data_objects(dls), device)
+    seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
+    learn = request["learn"]
+    learn.model.to(device)
+    move_optimizer_state(learn)
+    callbacks = fit_callbacks(learn, request["cbs"])
+    learn.to_ddp(**options)
+    try:
+        with ExitStack() as stack:
+            if send is not None:
+                stack.enter_context(relayed_output(send))
+                stack.enter_context(_relayed_progress(learn, send, stack))
+            learn.fit(request["n_epoch"], request["lr"], wd=request["wd"], cbs=request["cbs"],
+                      reset_opt=request["reset_opt"], start_epoch=request["start_epoch"])
+    except ddist.StopRequested:
+        pass
+    return None if send is None else results(learn, callbacks)
+
+
+def _relayed_progress(learn: Learner, send: Callable[[tuple], None], stack: ExitStack):
+    """The learner's ProgressCallback (if it has one) replaced by a relay for the block."""
+    progress = [cb for cb in learn.cbs if type(cb) is ProgressCallback]
+    if not progress:
+        return learn.added_cbs([])
+    stack.enter_context(learn.removed_cbs(progress))
+    return learn.added_cbs([ProgressRelay(send)])
+
+
+def _ours(value: Any) -> bool:
+    return type(value).__module__.startswith("ddipp.")
+
+
+def results(learn: Learner, callbacks: list) -> List[bytes]:
+    """What the fit changed, in two parts: the weights (with their gradients) and optimizer first, on their own; then the learner's
+    attributes, the state of each of the fit's `callbacks`, the callbacks the fit added, and notes on what could not
+    be pickled (None in its place: an unpicklable attribute never costs the weights or the recorder)."""
+    objects = learner_objects(learn, callbacks)
+    grads = [grad_spec(p.grad) for p in learn.model.parameters()]
+    parts = [dumps(dict(model=learn.model.state_dict(), grads=grads, opt=learn.opt), objects=objects)]
+    objects["opt"] = learn.opt  # the recorder and the schedulers hold the same optimizer: the first part's
+    attrs = {k: v for k, v in travelling_state(learn).items()
+             if k not in _HELD and not _ours(v) and not any(v is cb for cb in learn.cbs)}
+    states = dict(learn=attrs, cbs=[vars(cb) for cb in callbacks],
+                  added=[cb for cb in learn.cbs if not _ours(cb) and not any(cb is c for c in callbacks)], notes=[])
+    try:
+        return parts + [dumps(states, objects=objects)]
+    except Exception as e:
+        error = e
+    notes = states["notes"]
+    states["learn"] = _picklable(attrs, objects, "learn", error, notes)
+    states["cbs"] = [_picklable(state, objects, f"{type(cb).__name__} (learn.{cb.name})", error, notes)
+                     for cb, state in zip(callbacks, states["cbs"])]
+    kept = []
+    for cb in states["added"]:
+        try:
+            dumps(cb, objects)
+            kept.append(cb)
+        except Exception as e:
+            notes.append(f"{type(cb).__name__}, which the fit added, stayed on the workers: it cannot be pickled ({e})")
+    states["added"] = kept
+    return parts + [dumps(states, objects=objects)]
+
+
+def _picklable(state: dict, objects: dict, what: str, error: Exception, notes: list) -> dict:
+    state, lost = without_unpicklable(state, objects)
+    if lost:
+        notes.append(f"{what} came back with {', '.join(lost)} set to None: "
+                     f"{'it' if len(lost) == 1 else 'they'} cannot be pickled ({error})")
+    return state
+
+
+def apply_results(learn: Learner, parts: List[bytes], bar: Any, callbacks: list) -> None:
+    """The notebook's half again: leave `learn` and the fit's `callbacks` as the fit on rank 0 left its copies."""
+    objects = {**learner_objects(learn, callbacks), "bar": bar}
+    device = learn.dls.device or torch.device("cpu")
+    got = loads(parts[0], objects, device)
+    learn.model.load_state_dict(got["model"])
+    for param, grad in zip(learn.model.parameters(), got["grads"]):
+        param.grad = grad_from_spec(grad, param)
+    learn.opt = got["opt"]
+    move_optimizer_state(learn)
+    objects["opt"] = learn.opt
+    got = loads(parts[1], objects, device)
+    vars(learn).update(got["learn"])
+    for cb, state in zip(callbacks, got["cbs"]):
+        vars(cb).update(state)
+    learn.add_cbs(got["added"])
+    for note in got["notes"]:
+        print(f"ddipp: {note}", file=sys.stderr)
