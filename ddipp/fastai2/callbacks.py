@@ -13,8 +13,9 @@ from contextlib import ExitStack, contextmanager
 import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
-from fastai.callback.progress import CSVLogger, ProgressCallback
+from fastai.callback.progress import CSVLogger, ProgressCallback, ShowGraphCallback
 from fastai.callback.schedule import LRFinder
+from fastai.callback.training import GradientAccumulation
 from fastai.data.load import DataLoader
 from fastai.torch_core import get_model
 
@@ -74,6 +75,10 @@ class DistributedCallback(Callback):
         self.in_fit = True
         try:
             yield
+        except ddist.StopRequested:  # a notebook's interrupt: every rank stopped after the same step, and stays
+            self.undistribute()
+            self._meet_at_end()
+            raise
         except BaseException as e:
             self.undistribute()
             self._leave_after(e)
@@ -124,6 +129,7 @@ class DistributedCallback(Callback):
         learn.model = wrap(model, self.undo, self.sync_bn, self.find_unused_parameters)
         self.undo.callback(_set_train, learn.dls, train)
         learn.dls.train, self.shard = shard, shard
+        self._accumulate_global_samples()
         self.running = True
 
     def _quiet(self) -> None:
@@ -131,12 +137,20 @@ class DistributedCallback(Callback):
         learn = self.learn
         self.undo.enter_context(learn.no_logging())
         for cb in learn.cbs:
-            if isinstance(cb, ProgressCallback):
+            if isinstance(cb, (ProgressCallback, ShowGraphCallback)):  # the graph is drawn on rank 0's bar
                 self.undo.callback(setattr, cb, "run", cb.run)
                 cb.run = False
             elif isinstance(cb, CSVLogger):
                 self.undo.callback(setattr, cb, "fname", cb.fname)
                 cb.fname = UnnamedFile()
+
+    def _accumulate_global_samples(self) -> None:
+        """fastai's GradientAccumulation steps once it counted n_acc samples, and a rank sees 1/N of each global batch:
+        for this fit it counts to n_acc/N, so the weights step after n_acc samples across ranks, as in one process."""
+        for cb in self.learn.cbs:
+            if isinstance(cb, GradientAccumulation):
+                self.undo.callback(setattr, cb, "n_acc", cb.n_acc)
+                cb.n_acc = cb.n_acc / self.world_size
 
     def undistribute(self) -> None:
         """Put back the plain model and the original loaders (and whatever else this fit changed)."""

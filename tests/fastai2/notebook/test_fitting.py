@@ -1,0 +1,168 @@
+"""fastai v2 notebook mode: a learner bound with to_ddp(nprocs=2) in this plain process fits on a worker group and is
+left as a local fit with the global batch leaves it (workers/fit_story.py, played here in one process as reference)."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from fastai.callback.core import Callback
+
+WORKERS = Path(__file__).parents[1] / "workers"
+sys.path.insert(0, str(WORKERS))
+from fit_story import TOL, close, digits_dls, digits_learner, history, max_diff, params, story, sweep  # noqa: E402
+
+import ddipp  # noqa: E402
+from ddipp.core.group.group import _groups  # noqa: E402
+
+CPU2 = ("cpu", "cpu")
+PHASES = ["fit", "frozen", "unfrozen", "fine_tune"]  # fit_one_cycle; freeze + fit; unfreeze + fit_flat_cos; fine_tune
+
+
+@pytest.fixture(scope="module")
+def notebook(tmp_path_factory):
+    """The story played by a notebook-mode learner (batch 16 a rank), and the workers' pids before and after."""
+    learn = digits_learner(digits_dls(bs=16), tmp_path_factory.mktemp("nb")).to_ddp(nprocs=2)
+    started = [p.pid for p in _groups[CPU2].procs]
+    res = story(learn)
+    res["pids"] = started, [p.pid for p in _groups[CPU2].procs]
+    return res
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The story in one process with batch 32, the global batch."""
+    return story(digits_learner(digits_dls(bs=32), tmp_path_factory.mktemp("ref")))
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_the_notebook_learner_gets_the_weights_and_recorder_one_process_trains(notebook, reference, phase):
+    recorded = phase if phase in ("fit", "fine_tune") else "fit_" + phase  # story's names for the histories
+    assert max_diff(notebook["params_" + phase], reference["params_" + phase]) <= TOL
+    assert close(notebook[recorded], reference[recorded])
+
+
+def test_a_callback_given_to_fit_comes_back_with_what_the_fit_did_to_it(notebook, reference):
+    assert len(notebook["step_losses"]) == 20 and close(notebook["step_losses"], reference["step_losses"])
+
+
+def test_validate_and_get_preds_in_the_notebook_after_remote_fits(notebook, reference):
+    assert notebook["restored"] and close(notebook["validate"], reference["validate"])
+    assert max_diff([notebook["preds"]], [reference["preds"]]) <= TOL
+
+
+def test_fits_reuse_the_same_workers(notebook):
+    started, finished = notebook["pids"]
+    assert started == finished and len(set(started)) == 2
+
+
+def test_lr_find_sweeps_once_on_rank0_and_the_notebook_gets_its_suggestion(notebook, tmp_path):
+    """Solo mode: after a fit with the global batch, rank 0 sweeps alone with its own batch (16), as one process does
+    after the same fit (batch 32) with a sweep on batch 16."""
+    remote = sweep(digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2))
+    local = sweep(digits_learner(digits_dls(bs=32), tmp_path / "one"), sweep_bs=16)
+    assert remote["kept"] and local["kept"] and len(remote["losses"]) == 20
+    assert remote["valley"] == local["valley"] and close(remote["losses"], local["losses"])
+
+
+def test_unchanged_data_is_sent_once_and_new_data_again(notebook, tmp_path):
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    learn.fit(1, 1e-2)
+    group = _groups[CPU2]
+    learn.fit(1, 1e-2)
+    assert group.last_sent["data"] == 0 and group.last_sent["call"] > 0
+    learn.dls = digits_dls(bs=16, n_train=320)
+    learn.fit(1, 1e-2)
+    assert group.last_sent["data"] > 0 and len(learn.recorder.losses) == 10
+
+
+class SaysHello(Callback):
+    def after_fit(self):
+        print(f"hello from rank {ddipp.rank()}")
+
+
+def test_rank0_prints_and_the_results_table_show_here_like_a_local_fit(notebook, tmp_path, capsys):
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    capsys.readouterr()
+    learn.fit(2, 1e-2, cbs=SaysHello())
+    out = capsys.readouterr().out
+    assert out.count("hello from rank") == 1 and "hello from rank 0" in out
+    header = "epoch     train_loss  valid_loss  accuracy  f1_score  batch_max_prob  time"
+    assert header in out and [line.split()[0] for line in out.splitlines() if line[:1].isdigit()] == ["0", "1"]
+
+
+class HoldsALock(Callback):
+    def after_fit(self):
+        self.lock, self.best = threading.Lock(), 0.5
+
+
+def test_an_unpicklable_callback_attribute_is_named_and_costs_nothing_else(notebook, tmp_path, capsys):
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    holder = HoldsALock()
+    before = params(learn)
+    learn.fit(1, 1e-2, cbs=holder)
+    assert max_diff(params(learn), before) > 0 and len(history(learn)["values"]) == 1
+    assert holder.best == 0.5 and holder.lock is None
+    assert "HoldsALock (learn.holds_a_lock) came back with lock set to None" in capsys.readouterr().err
+
+
+def test_an_unpicklable_learner_attribute_is_refused_before_the_fit_naming_its_path(notebook, tmp_path):
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    learn.handle = threading.Lock()
+    with pytest.raises(TypeError) as raised:
+        learn.fit(1, 1e-2)
+    assert "learn.handle cannot be pickled" in str(raised.value)
+
+
+class FailOnRank1(Callback):
+    def after_batch(self):
+        if self.training and self.iter == 2 and ddipp.rank() == 1:
+            raise ValueError("rank 1 fails on purpose")
+
+
+def test_an_exception_on_a_rank_raises_here_as_itself_and_the_learner_is_as_before(notebook, tmp_path):
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    learn.fit(1, 1e-2)
+    before, values = params(learn), history(learn)["values"]
+    with pytest.raises(ValueError) as raised:
+        learn.fit(1, 1e-2, cbs=FailOnRank1())
+    assert str(raised.value).endswith("rank 1 fails on purpose")  # fastai names the callback and event before it
+    assert "raised on rank 1" in raised.value.__notes__[-1]
+    assert "in after_batch" in str(raised.value.__cause__)
+    assert max_diff(params(learn), before) == 0 and history(learn)["values"] == values
+    learn.fit(1, 1e-2)  # on a new group
+    assert len(history(learn)["values"]) == 1
+
+
+def test_an_interrupt_stops_every_rank_keeps_what_was_trained_and_a_killed_notebook_leaves_no_worker(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(WORKERS))
+    proc = subprocess.Popen([sys.executable, str(WORKERS / "notebook_parent.py"), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = iter(proc.stdout)
+        workers = [int(pid) for pid in _after(lines, "WORKERS")]
+        _after(lines, "TRAINING")
+        proc.send_signal(signal.SIGINT)
+        trained, epochs, steps = _after(lines, "INTERRUPTED")
+        assert trained == "True" and epochs == "0" and int(steps) >= 3  # as a local fit: the steps taken, kept
+        epochs, *refit = _after(lines, "REFIT")
+        assert epochs == "1" and list(map(int, refit)) == workers  # the same workers went on
+        _after(lines, "TRAINING")
+        proc.kill()
+        proc.wait()
+        assert psutil.wait_procs([psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)], timeout=15)[1] == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _after(lines, word):
+    """The words after `word` on the first line of the process's output that contains it."""
+    for line in lines:
+        if word in line:
+            return line.split(word, 1)[1].split()
+    raise AssertionError(f"the process ended without printing {word}")
