@@ -14,6 +14,7 @@ from fastcore.basics import patch
 from ..core import dist as ddist
 from ..core.ddp import check_matches_launch, check_options, notebook_devices, say_global_batch
 from ..core.files import replacing
+from ..core.group.wire import BINDING_ATTRS
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
@@ -38,6 +39,7 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
         devices = notebook_devices(gpus, nprocs)
         options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
         bind(self, devices, timeout, options, fit_on_group)
+        self.save, self.export = AtomicSave(self), AtomicExport(self)  # the exported learner is not bound
         say_global_batch(self.dls.train.bs, len(devices))
         return self
     check_matches_launch(gpus, nprocs)
@@ -103,9 +105,10 @@ class AtomicExport:
 
 @contextmanager
 def _without_ddipp(learn: Learner):
-    """The learner as plain fastai for the block: ddipp's callbacks and its save/export off, then back."""
+    """The learner as plain fastai for the block: ddipp's callbacks, its save/export and a notebook's binding off,
+    then back."""
     cbs = [cb for cb in learn.cbs if isinstance(cb, _DDIPP_CALLBACKS)]
-    attrs = {k: v for k, v in vars(learn).items() if isinstance(v, (AtomicSave, AtomicExport))}
+    attrs = {k: v for k, v in vars(learn).items() if isinstance(v, (AtomicSave, AtomicExport)) or k in BINDING_ATTRS}
     learn.remove_cbs(cbs)
     for name in attrs:
         delattr(learn, name)

@@ -11,13 +11,15 @@ import psutil
 import pytest
 import torch
 from fastai.callback.core import Callback
+from fastai.learner import load_learner
 
 WORKERS = Path(__file__).parents[1] / "workers"
 sys.path.insert(0, str(WORKERS))
-from fit_story import TOL, close, digits_dls, digits_learner, history, max_diff, params, story, sweep  # noqa: E402
+from fit_story import (TOL, close, digits_dls, digits_learner, history, max_diff, params, story, sweep,  # noqa: E402
+                       tabular_digits_learner)
 
 import ddipp  # noqa: E402
-from ddipp.core.group.group import _groups  # noqa: E402
+from ddipp.core.group.group import WorkerError, _groups  # noqa: E402
 
 CPU2 = ("cpu", "cpu")
 PHASES = ["fit", "frozen", "unfrozen", "fine_tune"]  # fit_one_cycle; freeze + fit; unfreeze + fit_flat_cos; fine_tune
@@ -58,6 +60,39 @@ def test_validate_and_get_preds_in_the_notebook_after_remote_fits(notebook, refe
 def test_fits_reuse_the_same_workers(notebook):
     started, finished = notebook["pids"]
     assert started == finished and len(set(started)) == 2
+
+
+def test_what_users_do_after_a_fit_works_on_the_notebook_learner(notebook, tmp_path):
+    """plot_loss, predict, export and load_learner (the loaded learner predicts the same), as after a local fit."""
+    import matplotlib
+    matplotlib.use("Agg")
+    learn = tabular_digits_learner(tmp_path, bs=16).to_ddp(nprocs=2)
+    learn.fit(2, 1e-2)
+    learn.recorder.plot_loss()
+    row = learn.dls.valid_ds.items.iloc[0]
+    prediction = learn.predict(row)[2]
+    learn.export("nb.pkl")
+    exported = load_learner(tmp_path / "nb.pkl")
+    assert max_diff(params(exported), params(learn)) == 0 and "ddp" not in vars(exported)
+    assert torch.equal(prediction, exported.predict(row)[2])
+
+
+class DiesOnRank1(Callback):
+    def after_batch(self):
+        if self.training and self.iter == 2 and ddipp.rank() == 1:
+            os._exit(3)
+
+
+def test_a_rank_that_dies_is_named_and_the_next_fit_starts_a_new_group(notebook, tmp_path):
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    learn.fit(1, 1e-2)
+    workers = [p.pid for p in _groups[CPU2].procs]
+    with pytest.raises(WorkerError) as raised:
+        learn.fit(1, 1e-2, cbs=DiesOnRank1())
+    assert f"ddipp worker rank 1 (pid {workers[1]}, cpu) exited with code 3" in str(raised.value)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in workers)
+    learn.fit(1, 1e-2)
+    assert len(history(learn)["values"]) == 1 and [p.pid for p in _groups[CPU2].procs] != workers
 
 
 def test_lr_find_sweeps_once_on_rank0_and_the_notebook_gets_its_suggestion(notebook, tmp_path):
