@@ -108,8 +108,8 @@ def _without_ddipp(learn: Learner):
     """The learner as plain fastai for the block: ddipp's callbacks, its save/export and a notebook's binding off,
     then back."""
     cbs = [cb for cb in learn.cbs if isinstance(cb, _DDIPP_CALLBACKS)]
+    learn.remove_cbs(cbs)  # DistributedCallback takes its fit guard (learn.fit) with it
     attrs = {k: v for k, v in vars(learn).items() if isinstance(v, (AtomicSave, AtomicExport)) or k in BINDING_ATTRS}
-    learn.remove_cbs(cbs)
     for name in attrs:
         delattr(learn, name)
     try:

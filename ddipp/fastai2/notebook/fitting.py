@@ -51,36 +51,46 @@ def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device,
     move_optimizer_state(learn)
     callbacks = fit_callbacks(learn, request["cbs"])
     learn.to_ddp(**options)
+    relay = None
     try:
         with ExitStack() as stack:
             if send is not None:
                 stack.enter_context(relayed_output(send))
-                stack.enter_context(_relayed_progress(learn, send, stack))
+                relay = _relayed_progress(learn, send, stack)
             learn.fit(request["n_epoch"], request["lr"], wd=request["wd"], cbs=request["cbs"],
                       reset_opt=request["reset_opt"], start_epoch=request["start_epoch"])
     except ddist.StopRequested:
         pass
-    return None if send is None else results(learn, callbacks)
+    return None if send is None else results(learn, callbacks, relay)
 
 
-def _relayed_progress(learn: Learner, send: Callable[[tuple], None], stack: ExitStack):
-    """The learner's ProgressCallback (if it has one) replaced by a relay for the block."""
+def _relayed_progress(learn: Learner, send: Callable[[tuple], None], stack: ExitStack) -> Optional[ProgressRelay]:
+    """The learner's ProgressCallback (if it has one) replaced by a relay for the `stack`'s span, at its place in
+    learn.cbs: fastai runs the callbacks of one order in list order (CSVLogger chains the logger set before it)."""
     progress = [cb for cb in learn.cbs if type(cb) is ProgressCallback]
     if not progress:
-        return learn.added_cbs([])
+        return None
+    place = learn.cbs.index(progress[0])
     stack.enter_context(learn.removed_cbs(progress))
-    return learn.added_cbs([ProgressRelay(send)])
+    relay = ProgressRelay(send)
+    stack.enter_context(learn.added_cbs([relay]))
+    learn.cbs.insert(place, learn.cbs.pop())
+    relay.stands_for = progress[0]
+    return relay
 
 
 def _ours(value: Any) -> bool:
     return type(value).__module__.startswith("ddipp.")
 
 
-def results(learn: Learner, callbacks: list) -> List[bytes]:
+def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = None) -> List[bytes]:
     """What the fit changed, in two parts: the weights (with their gradients) and optimizer first, on their own; then the learner's
     attributes, the state of each of the fit's `callbacks`, the callbacks the fit added, and notes on what could not
-    be pickled (None in its place: an unpicklable attribute never costs the weights or the recorder)."""
+    be pickled (None in its place: an unpicklable attribute never costs the weights or the recorder). What the fit left
+    holding the `relay` (learn.logger, CSVLogger's old_logger) comes back holding the ProgressCallback it stood for."""
     objects = learner_objects(learn, callbacks)
+    if relay is not None:
+        objects.update({key: relay for key, cb in list(objects.items()) if cb is relay.stands_for})
     grads = [grad_spec(p.grad) for p in learn.model.parameters()]
     parts = [dumps(dict(model=learn.model.state_dict(), grads=grads, opt=learn.opt), objects=objects)]
     objects["opt"] = learn.opt  # the recorder and the schedulers hold the same optimizer: the first part's

@@ -49,6 +49,7 @@ class RelayedProgressBar(ProgressBar):
 
 class ProgressRelay(ProgressCallback):
     """fastai's ProgressCallback with relayed bars: the same calls at the same events, drawn in the notebook."""
+    name = "progress"  # learn.progress, as the callback it stands in for (ShowGraphCallback draws on its mbar)
 
     def __init__(self, send: Callable[[tuple], None]):
         self.relay = send
