@@ -287,7 +287,7 @@ def _report(failures: dict, stderrs: dict[int, str]) -> None:
         log = stderrs.get(failure.local_rank)
         tail = Path(log).read_text(errors="replace").splitlines()[-TAIL_LINES:] if log else []
         raised = any("Traceback (most recent call last)" in line for line in tail)  # lines start with "[rankN]: "
-        if failure.exitcode < 0 and raised:  # stopped while exiting after its error, e.g. when a peer's echo ended first
+        if failure.exitcode < 0 and raised:  # stopped while exiting after its error (a peer's echo ended first)
             print(f"{PROG}: rank {rank} raised and was stopped ({failure.signal_name()}) while it exited; end of "
                   f"{log}:", *tail, sep="\n", file=sys.stderr)
         elif failure.exitcode < 0:

@@ -43,7 +43,8 @@ def beyond_ranks(tmp_path_factory):
 
 
 def launch_2_ranks(script: Path, out: Path) -> None:
-    """Run `script OUT` under ddipp's launcher on 2 CPU processes (a collective may wait 120 s); fail with its output."""
+    """Run `script OUT` under ddipp's launcher on 2 CPU processes (a collective may wait 120 s); fail with its output.
+    """
     proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "120", str(script),
                            str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -1,4 +1,4 @@
-"""Files ddipp writes: replaced atomically (a crash leaves the previous file whole), and what dead processes left, swept.
+"""Files ddipp writes: replaced atomically (a crash leaves the previous file whole); what dead processes left, swept.
 
 A file being written is `.NAME.PID.tmp` beside its target until it is complete; a folder of a process's own is
 named with its PID. Either is removed by a later process once that PID is gone.

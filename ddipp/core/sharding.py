@@ -44,13 +44,27 @@ class ShardedSampler(Sampler):
         self.epoch = epoch
 
     def __iter__(self):
+        return iter(self.shard(self.global_order()))
+
+    def global_order(self) -> list:
+        """This epoch's order of every rank's items, the same on every rank (the positions the ranks share)."""
         with global_rngs_seeded(self.seed + self.epoch):
             order = list(self.sampler)
-        usable = len(order) // self.world_size * self.world_size
-        return iter(order[self.rank:usable:self.world_size])
+        return order[:len(order) // self.world_size * self.world_size]
+
+    def shard(self, order: list) -> list:
+        """This rank's positions of `order` (a `global_order`)."""
+        return order[self.rank::self.world_size]
 
     def __len__(self) -> int:
         return len(self.sampler) // self.world_size
+
+
+def global_batches(order: Sequence[int], bs: int, world_size: int) -> List[List[int]]:
+    """The global batches of `order` (a ShardedSampler's global order) when each rank reads its shard in batches of
+    `bs`: global batch k holds batch k of every rank, the items one process with batch N x bs reads at its step k."""
+    step = bs * world_size
+    return [list(order[i:i + step]) for i in range(0, len(order), step)]
 
 
 class RepeatedBatches(Sampler):

@@ -1,4 +1,4 @@
-"""fastai v1 loaders sharded across ranks (ddipp.core.sharding over fastai's samplers, SortishSampler and LM streams)."""
+"""fastai v1 loaders sharded across ranks (ddipp.core.sharding over fastai's samplers, SortishSampler, LM streams)."""
 import numpy as np
 from fastai.basic_data import DeviceDataLoader
 from fastai.text.data import LanguageModelPreLoader, SortishSampler

@@ -184,7 +184,8 @@ class DistributedCallback(Callback):
         learn = self.learn
         if not (self.running and learn.training):
             return
-        loss_and_stop = torch.stack([learn.loss.detach().float(), learn.loss.new_tensor(ddist.stop_requested()).float()])
+        stop = learn.loss.new_tensor(ddist.stop_requested()).float()
+        loss_and_stop = torch.stack([learn.loss.detach().float(), stop])
         dist.all_reduce(loss_and_stop)
         loss, stop = loss_and_stop
         learn.loss = (loss if self.summed_loss else loss / self.world_size).to(learn.loss.dtype)

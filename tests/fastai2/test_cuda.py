@@ -1,4 +1,5 @@
-"""fastai v2 on a GPU: to_fp16 under ddipp on one NCCL rank trains as one plain GPU process does (skips without CUDA)."""
+"""fastai v2 on a GPU: to_fp16 under ddipp on one NCCL rank trains as one plain GPU process does (skips without
+CUDA)."""
 import json
 import subprocess
 import sys

@@ -15,7 +15,7 @@ class Binding:
 
 
 def bind(learn: Any, devices: Tuple[str, ...], timeout: float, options: dict, fit_on_group: Callable) -> None:
-    """Run `learn`'s fits on the group on `devices` (started now if it is not running) with `fit_on_group(learn, ...)`."""
+    """Run `learn`'s fits on the group on `devices` (started now if not running) with `fit_on_group(learn, ...)`."""
     if "ddp" in vars(learn):
         unbind(learn)
     group_for(devices, timeout).learners[id(learn)] = learn

@@ -1,4 +1,5 @@
-"""What of a fastai v1 learner both the notebook and its workers hold, so that it travels as references (ddipp.core.group.wire)."""
+"""What of a fastai v1 learner both the notebook and its workers hold, so that it travels as references
+(ddipp.core.group.wire)."""
 from typing import Any, Dict, Hashable
 
 import torch

@@ -84,10 +84,10 @@ def _ours(value: Any) -> bool:
 
 
 def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = None) -> List[bytes]:
-    """What the fit changed, in two parts: the weights (with their gradients) and optimizer first, on their own; then the learner's
-    attributes, the state of each of the fit's `callbacks`, the callbacks the fit added, and notes on what could not
-    be pickled (None in its place: an unpicklable attribute never costs the weights or the recorder). What the fit left
-    holding the `relay` (learn.logger, CSVLogger's old_logger) comes back holding the ProgressCallback it stood for."""
+    """What the fit changed, in two parts: the weights (with their gradients) and optimizer first, on their own; then
+    the learner's attributes, the state of each of the fit's `callbacks`, the callbacks the fit added, and notes on
+    what could not be pickled (None in its place: an unpicklable attribute never costs the weights or the recorder).
+    What held the `relay` (learn.logger, CSVLogger's old_logger) comes back holding the ProgressCallback it stood for."""
     objects = learner_objects(learn, callbacks)
     if relay is not None:
         objects.update({key: relay for key, cb in list(objects.items()) if cb is relay.stands_for})

@@ -1,4 +1,5 @@
-"""What of a fastai v2 learner both the notebook and its workers hold, so that it travels as references (core.group.wire)."""
+"""What of a fastai v2 learner both the notebook and its workers hold, so that it travels as references
+(ddipp.core.group.wire)."""
 from typing import Any, Dict, Hashable, List
 
 import torch

@@ -189,7 +189,8 @@ def test_an_interrupt_stops_every_rank_keeps_what_was_trained_and_a_killed_noteb
         _after(lines, "TRAINING")
         proc.kill()
         proc.wait()
-        assert psutil.wait_procs([psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)], timeout=15)[1] == []
+        alive = [psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)]
+        assert psutil.wait_procs(alive, timeout=15)[1] == []
     finally:
         proc.kill()
         proc.wait()

@@ -15,7 +15,7 @@ from fit_story import digits_dls, digits_learner  # noqa: E402
 
 
 def fp16_fit(path) -> dict:
-    """to_fp16 and fit_one_cycle on this process's GPU: the last recorded numbers, and whether it ran mixed precision."""
+    """to_fp16 and fit_one_cycle on this process's GPU: the last recorded numbers, whether it ran mixed precision."""
     dls = digits_dls(bs=32)
     dls.device = ddipp.device() if ddipp.core.dist.launched() else torch.device("cuda")
     learn = digits_learner(dls, path, metrics=[accuracy]).to_ddp().to_fp16()
