@@ -6,7 +6,7 @@ VENV2  ?= .venv2
 PY      = $(VENV)/bin/python
 PY2     = $(VENV2)/bin/python
 
-.PHONY: demo test
+.PHONY: demo test gpu-check
 
 # DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
 # script as one plain process, so the two accuracies print one under the other: fastai v1, then fastai v2
@@ -34,3 +34,8 @@ $(VENV2)/.installed: setup.py
 	$(PY2) -m pip install --quiet --upgrade 'pip>=23'
 	$(PY2) -m pip install --quiet -e '.[fastai2,test]'
 	touch $@
+
+# the GPU paths on a host with one GPU (cuda:0 only): one PASS/FAIL/SKIP line per check, SKIP without CUDA; fails if
+# a check failed. Not part of `make test`
+gpu-check: $(VENV)/.installed $(VENV2)/.installed
+	$(PY) tools/gpu_check.py --python1 $(PY) --python2 $(PY2)

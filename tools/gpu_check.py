@@ -1,0 +1,240 @@
+"""ddipp's GPU paths on a host with one GPU in one command: `make gpu-check` (or `.venv/bin/python tools/gpu_check.py`).
+
+Prints one line per check, `PASS <check>: <numbers>`, `FAIL <check>: <why>` or `SKIP <check>: no CUDA`, and exits 1 if
+a check failed. Only one GPU is used, cuda:0 (CUDA_VISIBLE_DEVICES is narrowed to the first visible GPU). fastai v1
+runs in .venv, fastai v2 in .venv2; the workers are tools/gpu_check/*_worker.py.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import traceback
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache, partial
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = {1: ROOT / "tools" / "gpu_check" / "fastai1_worker.py", 2: ROOT / "tools" / "gpu_check" / "fastai2_worker.py"}
+PYTESTS = [(1, "tests/fastai1/test_cuda.py", None), (1, "tests/fastai1/notebook/test_shipping.py", "cuda"),
+           (1, "tests/fastai1/test_apps.py", "fp16"), (2, "tests/fastai2/test_cuda.py", None)]  # fastai, file, -k
+TIMEOUT = 600  # seconds one command may run
+TAIL = 30  # lines of a failed command's output shown on stderr
+BN_TOL = 1e-4  # weights, running statistics, validation numbers against one plain GPU process (cuDNN's sums differ)
+GC_MIN_RELEASE = 256 * 2**20  # bytes GCCallback must give back after a fit that cached about 1 GiB of activations
+OVERHEAD_TARGET = 2.0  # % per step, world-size-1 NCCL under ddipp against plain fastai
+ROUNDS = 3  # interleaved (plain, launched) pairs of the overhead check
+
+
+class Verdict(NamedTuple):
+    """One line of the report (PASS, FAIL or SKIP, the check, its numbers or why), and output to show under it."""
+    status: str
+    check: str
+    words: str
+    tail: str = ""
+
+
+class CheckFailed(Exception):
+    """A check's failure: why (one line), and the end of the output that shows it."""
+
+    def __init__(self, why: str, tail: str = ""):
+        super().__init__(why)
+        self.tail = tail
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The interpreters of .venv (fastai v1) and .venv2 (fastai v2), and a folder for the runs' results."""
+    pythons: tuple[str, str]
+    tmp: Path
+
+    def python(self, fastai: int) -> str:
+        python = self.pythons[fastai - 1]
+        if not Path(python).is_file():
+            raise CheckFailed(f"no {python}: create it with `make {Path(python).parents[1].name}/.installed`")
+        return python
+
+
+def expect(condition: bool, why: str) -> None:
+    """CheckFailed(why) unless `condition`."""
+    if not condition:
+        raise CheckFailed(why)
+
+
+def execute(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+    """Run `cmd` in the repository root, its output captured; CheckFailed if it runs over TIMEOUT."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise CheckFailed(f"{what} ran over {TIMEOUT} s") from None
+
+
+def worker(setup: Setup, name: str, fastai: int, mode: str, launch: tuple[str, ...] = ()) -> list[dict]:
+    """What each rank of a worker run saved: plain, or under `python -m ddipp.launch` with the options `launch`."""
+    out = setup.tmp / name
+    out.mkdir(exist_ok=True)  # a reference that failed in one check is run again by the next
+    python = setup.python(fastai)
+    proc = execute([python, *(["-m", "ddipp.launch", *launch] if launch else []), str(WORKERS[fastai]), mode, str(out)],
+                   name)
+    if proc.returncode:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-TAIL:])
+        raise CheckFailed(f"{name} exited with status {proc.returncode} (the end of its output follows)", tail)
+    return [torch.load(path) for path in sorted(out.glob("rank*.pt"))]
+
+
+def pytest_label(fastai: int, path: str, keyword: str | None) -> str:
+    return f"pytest-v{fastai} {path}" + (f" -k {keyword}" if keyword else "")
+
+
+def pytest_verdicts(setup: Setup, fastai: int, path: str, keyword: str | None) -> list[Verdict]:
+    """Run the selected tests with pytest: one verdict per test (its seconds, its failure, or its skip reason)."""
+    label = pytest_label(fastai, path, keyword)
+    report = setup.tmp / f"{label.replace('/', '_').replace(' ', '_')}.xml"
+    proc = execute([setup.python(fastai), "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+                    f"--junitxml={report}", path, *(["-k", keyword] if keyword else [])], label)
+    cases = list(ElementTree.parse(report).iter("testcase")) if report.is_file() else []
+    if not cases:
+        raise CheckFailed(f"pytest exited with status {proc.returncode} and ran no test",
+                          "\n".join((proc.stdout + proc.stderr).splitlines()[-TAIL:]))
+    return [case_verdict(case, fastai) for case in cases]
+
+
+def case_verdict(case: ElementTree.Element, fastai: int) -> Verdict:
+    """PASS, FAIL or SKIP of one pytest node in a JUnit report, with its seconds or the first line of its message."""
+    node = f"pytest-v{fastai} {case.get('file')}::{case.get('name')}"
+    outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+    if outcome is None:
+        return Verdict("PASS", node, f"{float(case.get('time')):.1f} s")
+    first_line = (outcome.get("message") or outcome.tag).splitlines()[0]
+    if outcome.tag == "skipped":
+        return Verdict("SKIP", node, first_line)
+    return Verdict("FAIL", node, f"{outcome.tag}: {first_line} (the end of its traceback follows)",
+                   "\n".join((outcome.text or "").splitlines()[-TAIL:]))
+
+
+@cache
+def plain_bn(setup: Setup) -> dict:
+    """The BatchNorm CNN fitted by one plain GPU process with batch 32: the reference of two checks."""
+    return worker(setup, "bn-plain", 1, "bn")[0]
+
+
+def gaps(got: dict, want: dict) -> str:
+    """The largest differences between two BatchNorm fits, in words; CheckFailed if one is above BN_TOL."""
+    def most(a, b) -> float:
+        return max(float((x - y).abs().max()) for x, y in zip(a, b))
+    weights, stats, valid = most(got["params"], want["params"]), most(got["running"], want["running"]), most(
+        [got["valid"]], [want["valid"]])
+    words = (f"max |diff| from one plain GPU process: weights {weights:.1e}, BatchNorm running stats {stats:.1e}, "
+             f"valid loss and accuracy {valid:.1e} (tol {BN_TOL:.0e})")
+    expect(max(weights, stats, valid) <= BN_TOL, words)
+    return words
+
+
+def syncbn(setup: Setup) -> str:
+    """SyncBatchNorm on CUDA: a `--gpus 0` rank with to_ddp(sync_bn=True) trains as one plain GPU process does, with
+    torch.nn.SyncBatchNorm in the model during the fit and BatchNorm2d back after it."""
+    [got] = worker(setup, "bn-nccl", 1, "bn", ("--gpus", "0"))
+    expect((got["backend"], got["device"]) == ("nccl", "cuda:0"), f"ran on {got['backend']}, {got['device']}")
+    expect(got["during"] == ["SyncBatchNorm"] and got["after"] == "BatchNorm2d",
+           f"BatchNorm layers {got['during']} during the fit, {got['after']} after it")
+    return (f"{gaps(got, plain_bn(setup))}; nn.SyncBatchNorm during the fit, BatchNorm2d after; its cross-rank kernel "
+            f"ran {got['sync_calls']} times (at world size 1 torch's SyncBatchNorm computes as BatchNorm: "
+            "gloo-two-ranks-one-gpu runs that kernel)")
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def gc_release(setup: Setup, fastai: int) -> str:
+    """GCCallback gives the CUDA cache back: memory_reserved() drops by GC_MIN_RELEASE or more across its hook."""
+    [got] = worker(setup, f"gc-v{fastai}", fastai, "gc")
+    hook = "on_train_end" if fastai == 1 else "after_fit"
+    released = got["before"] - got["after"]
+    words = (f"memory_reserved {mib(got['before'])} before GCCallback's {hook}, {mib(got['after'])} after the fit "
+             f"(allocated {mib(got['allocated'])}): released {mib(released)}, need >= {mib(GC_MIN_RELEASE)}")
+    expect(released >= GC_MIN_RELEASE, words)
+    return words
+
+
+def overhead(setup: Setup) -> str:
+    """ms per step of plain fastai and of a `--gpus 0` NCCL rank under to_ddp(), in interleaved rounds; CheckFailed
+    if ddipp's median is more than OVERHEAD_TARGET % above plain fastai's."""
+    plain, ddp = [], []
+    for round_ in range(ROUNDS):
+        plain.append(worker(setup, f"steps-plain-{round_}", 1, "steps")[0])
+        ddp.append(worker(setup, f"steps-nccl-{round_}", 1, "steps", ("--gpus", "0"))[0])
+    expect(all(run["backend"] == "nccl" for run in ddp), f"the launched runs ran on {ddp[0]['backend']}")
+    base, under = (statistics.median(ms for run in runs for ms in run["ms"]) for runs in (plain, ddp))
+    percent = 100 * (under / base - 1)
+    words = (f"plain fastai {base:.3f} ms/step, --gpus 0 with to_ddp() {under:.3f} ms/step (medians of "
+             f"{sum(len(run['ms']) for run in plain)} epochs of {plain[0]['timed_steps']} steps each, {ROUNDS} "
+             f"interleaved rounds): {percent:+.1f}% against a target of <= {OVERHEAD_TARGET:.0f}%")
+    expect(percent <= OVERHEAD_TARGET, words)
+    return words
+
+
+def gloo_pair(setup: Setup) -> str:
+    """2 ranks on cuda:0 over gloo (`--nproc 2`, each rank joining gloo on the GPU itself) train the BatchNorm CNN with
+    to_ddp(sync_bn=True), batch 16 each, as one plain GPU process with 32; ddipp's collectives on CUDA tensors."""
+    ranks = worker(setup, "bn-gloo", 1, "bn-gloo", ("--nproc", "2"))
+    places = [(r["backend"], r["world_size"], r["device"]) for r in ranks]
+    expect(places == [("gloo", 2, "cuda:0")] * 2, f"ranks ran on {places}")
+    expect(all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"])), "the ranks' weights differ")
+    expect(all(r["sync_calls"] > 0 for r in ranks), "torch's SyncBatchNorm never merged the ranks' statistics")
+    expect(all(torch.equal(r["gathered"], torch.tensor([[0.0, 0.0], [1.0, 1.0]])) and r["summed"] == 2.0
+               for r in ranks), f"all_gather and reduce_sum gave {[(r['gathered'], r['summed']) for r in ranks]}")
+    return (f"{gaps(ranks[0], plain_bn(setup))}; SyncBatchNorm merged the ranks' statistics {ranks[0]['sync_calls']} "
+            "times; ddipp.all_gather and reduce_sum right on CUDA tensors (ranks set DDIPP_DEVICES=0,0 and join gloo "
+            "themselves: ddipp.launch gives CUDA ranks NCCL, one GPU each)")
+
+
+def checks(setup: Setup) -> list[tuple[str, Callable[[], list[Verdict]]]]:
+    """(name, run) of every check in order; run returns its verdicts or raises CheckFailed."""
+    def single(name, check):
+        return name, lambda: [Verdict("PASS", name, check(setup))]
+    return [(pytest_label(*test), partial(pytest_verdicts, setup, *test)) for test in PYTESTS] + [
+        single("syncbn-cuda", syncbn), single("gc-release-v1", partial(gc_release, fastai=1)),
+        single("gc-release-v2", partial(gc_release, fastai=2)), single("nccl-overhead-ws1", overhead),
+        single("gloo-two-ranks-one-gpu", gloo_pair)]
+
+
+def one_gpu() -> None:
+    """Let this process and its children see one GPU, the first visible one, as cuda:0."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every check (SKIP each without CUDA), one verdict a line; 1 if any failed, else 0."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python1", default=str(ROOT / ".venv" / "bin" / "python"), help="fastai v1's interpreter")
+    parser.add_argument("--python2", default=str(ROOT / ".venv2" / "bin" / "python"), help="fastai v2's interpreter")
+    args = parser.parse_args(argv)
+    one_gpu()
+    cuda, failed = torch.cuda.is_available(), False
+    with tempfile.TemporaryDirectory(prefix="ddipp-gpu-check-") as tmp:
+        pythons = str(Path(args.python1).absolute()), str(Path(args.python2).absolute())  # the checks run in ROOT
+        for name, run in checks(Setup(pythons, Path(tmp))):
+            try:
+                verdicts = run() if cuda else [Verdict("SKIP", name, "no CUDA")]
+            except CheckFailed as e:
+                verdicts = [Verdict("FAIL", name, str(e), e.tail)]
+            except Exception as e:  # a bug of the check itself: said, and the other checks still run
+                verdicts = [Verdict("FAIL", name, f"the check raised {type(e).__name__}: {e}", traceback.format_exc())]
+            for verdict in verdicts:
+                print(f"{verdict.status} {verdict.check}: {verdict.words}", flush=True)
+                if verdict.tail:
+                    print(verdict.tail, file=sys.stderr, flush=True)
+                failed |= verdict.status == "FAIL"
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
