@@ -6,6 +6,7 @@ this process, so the same script runs with and without DDP.
 import atexit
 import os
 import socket
+import traceback
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -157,6 +158,22 @@ def leave() -> None:
         dist.destroy_process_group()
     _left = store, world_size, 0 if _left is None else _left[2] + 1
     os.environ["WORLD_SIZE"] = "1"
+
+
+def leave_after(error: BaseException) -> None:
+    """`leave()` after a fit raised `error`. This rank's own error is posted to the group's store first; a peer's
+    failure gets a note naming the rank that failed first and its error (its own log may end before it is written)."""
+    if not dist.is_initialized():
+        return
+    store, me, times = dist.distributed_c10d._get_default_store(), dist.get_rank(), 0 if _left is None else _left[2] + 1
+    if not peer_failure(error):
+        store.set(f"ddipp-error{times}/{me}", "".join(traceback.format_exception_only(error)).strip())
+    else:
+        posted = [(rank, store.get(key).decode()) for rank in range(dist.get_world_size())
+                  if rank != me and store.check([key := f"ddipp-error{times}/{rank}"])]
+        error.add_note(f"ddipp: this rank stopped because rank {posted[0][0]} failed, with:\n{posted[0][1]}" if posted
+                       else "ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
+    leave()
 
 
 class StopRequested(KeyboardInterrupt):

@@ -146,10 +146,7 @@ class DistributedCallback(LearnerCallback):
         if not (fitting and dist.is_initialized()):
             return
         if exception:  # before any other callback's collective could wait for a peer
-            if ddist.peer_failure(exception):
-                exception.add_note("ddipp: this rank stopped because another rank failed; that rank's error is "
-                                   "the one to read")
-            ddist.leave()
+            ddist.leave_after(exception)
             return
         try:  # what rank 0 wrote during the fit exists for all (SaveModelCallback's on_train_end looks for it)
             dist.barrier()

@@ -92,9 +92,7 @@ class DistributedCallback(Callback):
     def _leave_after(self, error: BaseException) -> None:
         if not (self.joined and dist.is_initialized()):
             return
-        if ddist.peer_failure(error):
-            error.add_note("ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
-        ddist.leave()
+        ddist.leave_after(error)
 
     def _meet_at_end(self) -> None:
         """Every rank ends the fit together: what rank 0 wrote during it exists for all."""

@@ -45,3 +45,13 @@ def test_helpers_in_a_two_process_gloo_group(tmp_path):
         assert got["device"] == got["fastai_device"] == "cpu"
         assert got["backend"] == "gloo"
         assert got["marker_seen_after_barrier"]
+
+
+def test_a_rank_stopped_by_a_peers_failure_names_that_rank_and_its_error(tmp_path):
+    launch_2_ranks(Path(__file__).parents[1] / "workers" / "leave_worker.py", tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert not r1["peer_failure"] and r1["notes"] == []  # its own error, posted, not annotated
+    assert r0["peer_failure"]
+    assert r0["notes"] == ["ddipp: this rank stopped because rank 1 failed, with:\nValueError: rank 1 fails on purpose"]
+    for rank in (r0, r1):  # both left the group at once and run alone
+        assert (rank["world_size_after"], rank["initialized_after"]) == (1, False)
