@@ -5,12 +5,13 @@ batches of a validation loader; these classes only read fastai's DataLoader thro
 `do_item`, `do_batch`, `after_batch`, ...), so a loader's transforms, collation and order are its own.
 """
 import random
+from typing import Optional
 
 from fastai.data.load import DataLoader
-from fastai.text.data import LMDataLoader
-from fastai.torch_core import to_detach
+from fastai.text.data import LMDataLoader, SortedDL
+from fastai.torch_core import apply, to_detach
 
-from ..core.sharding import ShardedEvalBatchSampler, ShardedSampler
+from ..core.sharding import ShardedEvalBatchSampler, ShardedSampler, global_batches
 
 
 class LoaderOrder:
@@ -70,18 +71,29 @@ class ShardedTrainDL(_ReadsThrough):
     (`set_epoch`): a new order each epoch, every item at most once per epoch across ranks; the last len % N positions
     are dropped so every rank has as many batches. Batches are `dl.bs` items (the global batch is N x bs), so step k
     of the N ranks covers the items of step k of one process with batch N x bs. A language-model loader is read as
-    one with N x bs streams (`global_batch_loader`): rank r trains on rows r, r+N, ... of them."""
+    one with N x bs streams (`global_batch_loader`): rank r trains on rows r, r+N, ... of them. A SortedDL's batch is
+    padded as the whole global batch is (`collate_padded`)."""
 
     def __init__(self, dl: DataLoader, rank: int, world_size: int, seed: int):
         source = global_batch_loader(dl, world_size)
         self.order = ShardedSampler(LoaderOrder(source, dl.bs * world_size), rank, world_size, seed)
+        self.pad_to = None  # a SortedDL's items -> the longest item of their global batch, this epoch
         super().__init__(source, bs=dl.bs, n=len(self.order), drop_last=dl.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         self.order.set_epoch(epoch)
 
     def get_idxs(self):
-        return list(self.order)
+        if not isinstance(self.dl, SortedDL):
+            return list(self.order)
+        order = self.order.global_order()
+        self.pad_to = longest_of_batches(self.dl, global_batches(order, self.bs, self.order.world_size))
+        return self.order.shard(order)
+
+    def create_batches(self, samps):
+        if self.pad_to is None:
+            return super().create_batches(samps)
+        return (collate_padded(self.dl, list(chunk), self.pad_to) for chunk in self.chunkify(samps))
 
     def do_item(self, s):
         return self.dl.do_item(s)
@@ -113,6 +125,7 @@ class ShardedEvalDL(_ReadsThrough):
         usable = len(idxs) // dl.bs * dl.bs if dl.drop_last else len(idxs)
         batches = [idxs[i:i + dl.bs] for i in range(0, usable, dl.bs)]
         self.parts = ShardedEvalBatchSampler(batches, rank, world_size)
+        self.pad_to = longest_of_batches(dl, batches)
         super().__init__(dl, bs=None, n=len(self.parts))  # each "item" is a rank's part of a batch
 
     def sizes(self, k: int):
@@ -122,13 +135,37 @@ class ShardedEvalDL(_ReadsThrough):
         return list(self.parts)
 
     def create_item(self, part):
-        return self.dl.do_batch([item for item in map(self.dl.do_item, part) if item is not None])
+        return collate_padded(self.dl, part, self.pad_to)
 
     def do_batch(self, b):
         return b  # create_item collated the part already
 
     def to_detach(self, b, cpu: bool = True, gather: bool = True):
         return to_detach(b, cpu, gather=False)
+
+
+def longest_of_batches(dl: DataLoader, batches) -> Optional[dict]:
+    """For a SortedDL, each item of `batches` -> the longest item of its batch by the loader's lengths (`dl.res`);
+    None for another loader."""
+    if not isinstance(dl, SortedDL) or len(dl.res) == 0:
+        return None
+    pad_to = {}
+    for batch in batches:
+        pad_to.update(dict.fromkeys(batch, max(batch, key=dl.res.__getitem__, default=None)))
+    return pad_to
+
+
+def collate_padded(dl: DataLoader, part: list, pad_to: Optional[dict]):
+    """`dl`'s batch of the items `part` of a larger batch, padded as `dl` pads that whole batch.
+
+    fastai pads a SortedDL's batch (Pad_Chunk, pad_input_chunk) to its longest item, by chunks: a rank padding its
+    part to the part's longest would give its rows other padding than one process, so the whole batch's longest item
+    (`pad_to`) is collated with the part, then its row is dropped."""
+    items = [item for item in map(dl.do_item, part) if item is not None]
+    longest = pad_to[part[0]] if pad_to and part else None
+    if longest is None or max(dl.res[i] for i in part) >= dl.res[longest]:
+        return dl.do_batch(items)
+    return apply(lambda x: x[:-1], dl.do_batch(items + [dl.do_item(longest)]))
 
 
 def splittable(dl) -> bool:
