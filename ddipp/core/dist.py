@@ -171,8 +171,9 @@ def leave_after(error: BaseException) -> None:
     else:
         posted = [(rank, store.get(key).decode()) for rank in range(dist.get_world_size())
                   if rank != me and store.check([key := f"ddipp-error{times}/{rank}"])]
-        error.add_note(f"ddipp: this rank stopped because rank {posted[0][0]} failed, with:\n{posted[0][1]}" if posted
-                       else "ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
+        first = f"rank {posted[0][0]} failed, with:\n{posted[0][1]}" if posted else None
+        error.add_note(f"ddipp: this rank stopped because {first}" if first else
+                       "ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
     leave()
 
 
