@@ -55,6 +55,7 @@ class WorkerGroup:
         self.devices, self.timeout = devices, timeout
         self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
         self.data_digest = None
+        self.held = frozenset()  # digests of the tensors every worker kept from the last fit (the call names them)
         self.last_sent = {}  # bytes the last fit sent: "data", "call" (to all ranks) and "results" (back)
         sweep_stale_dirs(Path(tempfile.gettempdir()), LOGS_KIND)  # left by notebooks that were killed
         self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
@@ -117,7 +118,8 @@ class WorkerGroup:
             except KeyboardInterrupt:
                 interrupted = True
                 self._stop_fit(mirror)
-            results = self.replies[0]
+            results = self.replies[0][0]
+            self.held = frozenset.intersection(*(frozenset(kept) for _, kept in self.replies.values()))
             self.last_sent = dict(data=data_bytes, call=len(call) * len(self.conns), results=sum(map(len, results)))
         except BaseException as e:
             self.kill()
@@ -239,7 +241,7 @@ class WorkerGroup:
             proc.wait()
         for conn in self.conns:
             conn.close()
-        self.procs, self.conns, self.data_digest, self.store = [], [], None, None
+        self.procs, self.conns, self.data_digest, self.store, self.held = [], [], None, None, frozenset()
         if _groups.get(self.devices) is self:
             del _groups[self.devices]
         shutil.rmtree(self.logs, ignore_errors=True)

@@ -4,7 +4,8 @@ Objects both sides already hold (the learner, its data and loaders, the model's 
 progress bars) travel as references to the receiver's own; CUDA tensors travel through the CPU and land on
 the receiver's device, so no process ever touches another's GPU; parameters travel with their gradients; CPU
 tensors travel as numpy arrays whose bytes go out of band (no copy into the pickle, and equal data pickles to
-equal bytes); the weak references fastai's callbacks keep to their learner survive the trip.
+equal bytes); a tensor the receiving workers already hold from their last fit travels as its digest (`HeldTensors`);
+the weak references fastai's callbacks keep to their learner survive the trip.
 """
 import copyreg
 import hashlib
@@ -12,7 +13,7 @@ import io
 import pickle
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
+from typing import AbstractSet, Any, Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import cloudpickle
 import numpy as np
@@ -21,7 +22,9 @@ from fastprogress.fastprogress import MasterBar, ProgressBar
 from torch import nn
 
 BINDING_ATTRS = ("fit", "ddp")  # what Learner.to_ddp adds to a notebook's learner
+HELD_MIN_BYTES = 1024  # a smaller tensor travels whole: naming it by digest would save next to nothing
 _receiver_device = torch.device("cpu")  # where CUDA tensors land while `loads` runs
+_receiver_held: Optional["HeldTensors"] = None  # the tensors a `loads` may take by digest
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex64, torch.complex128, torch.int64,
                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
 
@@ -60,6 +63,56 @@ def _travels_as_numpy(tensor: torch.Tensor) -> bool:
             and tensor.dtype in _NUMPY_DTYPES and not tensor.is_conj() and not tensor.is_neg())
 
 
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A fingerprint of a tensor's dtype, shape, strides and values: equal on every process that holds it."""
+    t = tensor.detach().cpu()
+    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}{t.stride()}".encode(), digest_size=16)
+    h.update(np.ascontiguousarray(t.numpy()).data)
+    return h.hexdigest()
+
+
+def _worth_naming(tensor: torch.Tensor) -> bool:
+    """A tensor that can travel by digest: one that would travel as numpy, of HELD_MIN_BYTES or more."""
+    return (type(tensor) is torch.Tensor and tensor.dtype in _NUMPY_DTYPES and tensor.layout == torch.strided
+            and not tensor.is_conj() and not tensor.is_neg()
+            and tensor.element_size() * tensor.numel() >= HELD_MIN_BYTES)
+
+
+class HeldTensors:
+    """The tensors a worker keeps after a fit (its model's and optimizer's state), by digest: the next fit request
+    names those it needs instead of sending them. A request takes each once (a second use gets a copy); what it did
+    not take is dropped, since the fit changes what it took."""
+
+    def __init__(self):
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self.taken: Dict[str, torch.Tensor] = {}
+
+    def keep(self, tensors: Iterable[torch.Tensor]) -> List[str]:
+        """Hold `tensors` (those worth naming) instead of what was held; their digests."""
+        self.release()
+        for tensor in tensors:
+            if _worth_naming(tensor):
+                self.tensors.setdefault(tensor_digest(tensor), tensor.detach())
+        return list(self.tensors)
+
+    def take(self, digest: str) -> torch.Tensor:
+        if digest in self.tensors:
+            self.taken[digest] = self.tensors.pop(digest)
+            return self.taken[digest]
+        if digest in self.taken:
+            return self.taken[digest].clone()
+        raise RuntimeError(f"ddipp: this worker holds no tensor {digest}; the notebook's record of what it holds "
+                           f"is wrong (a bug: please report it)")
+
+    def release(self) -> None:
+        self.tensors, self.taken = {}, {}
+
+
+def _held_tensor(digest: str, requires_grad: bool, on_receiver_device: bool) -> torch.Tensor:
+    tensor = _receiver_held.take(digest)
+    return (tensor.to(_receiver_device) if on_receiver_device else tensor.cpu()).requires_grad_(requires_grad)
+
+
 class _Gone:
     pass
 
@@ -92,9 +145,17 @@ def _set_attributes(obj: Any, state: dict) -> None:
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle with references for shared objects, CUDA tensors through the CPU, and picklable weakrefs."""
 
-    def __init__(self, file, refs: Dict[int, Tuple[Hashable, Any]], learner: Any = None, buffers: list = None):
+    def __init__(self, file, refs: Dict[int, Tuple[Hashable, Any]], learner: Any = None, buffers: list = None,
+                 held: AbstractSet[str] = frozenset()):
         super().__init__(file, protocol=5, buffer_callback=None if buffers is None else buffers.append)
-        self.refs, self.learner = refs, learner
+        self.refs, self.learner, self.held = refs, learner, held
+
+    def _held_digest(self, tensor: torch.Tensor) -> Optional[str]:
+        """The digest of `tensor` if the receivers hold it."""
+        if not (self.held and _worth_naming(tensor)):
+            return None
+        found = tensor_digest(tensor)
+        return found if found in self.held else None
 
     def persistent_id(self, obj):
         ref = self.refs.get(id(obj))
@@ -107,6 +168,10 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
         if type(obj) is nn.Parameter:  # with its gradient, which torch's own pickling leaves out
             return _parameter, (obj.detach(), obj.requires_grad, grad_spec(obj.grad))
+        if type(obj) is torch.Tensor and (obj.is_cuda or _travels_as_numpy(obj)):
+            held = self._held_digest(obj)
+            if held is not None:
+                return _held_tensor, (held, obj.requires_grad, obj.is_cuda)
         if type(obj) is torch.Tensor and obj.is_cuda:
             return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad)
         if _travels_as_numpy(obj):  # torch's own pickling copies the bytes and names them by address
@@ -131,13 +196,14 @@ class _Unpickler(pickle.Unpickler):
 
 
 def dumps(obj: Any, objects: Dict[Hashable, Any] = None, learner: Any = None,
-          buffers: list = None) -> bytes:
-    """Pickle `obj`; the values of `objects` travel as their keys; `learner` travels without its fit-time state.
+          buffers: list = None, held: AbstractSet[str] = frozenset()) -> bytes:
+    """Pickle `obj`; the values of `objects` travel as their keys; `learner` travels without its fit-time state;
+    tensors whose digest is in `held` (what the receivers hold) travel as their digest.
 
     With `buffers`, large arrays are appended there out of band (pickle protocol 5) instead of being copied."""
     refs = {id(o): (key, o) for key, o in (objects or {}).items() if o is not None}
     file = io.BytesIO()
-    _Pickler(file, refs, learner, buffers).dump(obj)
+    _Pickler(file, refs, learner, buffers, held).dump(obj)
     return file.getvalue()
 
 
@@ -167,14 +233,17 @@ def _parts(obj: Any) -> list:
 
 
 def loads(blob: bytes, objects: Dict[Hashable, Any] = None, device: torch.device = torch.device("cpu"),
-          buffers=None) -> Any:
-    """Unpickle what `dumps` wrote: references resolve to the values of `objects`, CUDA tensors go to `device`."""
-    global _receiver_device
-    _receiver_device, previous = device, _receiver_device
+          buffers=None, held: Optional[HeldTensors] = None) -> Any:
+    """Unpickle what `dumps` wrote: references resolve to the values of `objects`, CUDA tensors go to `device`,
+    digests to the tensors `held` kept (and it is released: what the message did not take is dropped)."""
+    global _receiver_device, _receiver_held
+    (_receiver_device, _receiver_held), previous = (device, held), (_receiver_device, _receiver_held)
     try:
         return _Unpickler(io.BytesIO(blob), objects or {}, buffers).load()
     finally:
-        _receiver_device = previous
+        _receiver_device, _receiver_held = previous
+        if held is not None:
+            held.release()
 
 
 def send(conn: Connection, message: tuple) -> None:
@@ -203,13 +272,14 @@ def travelling_state(learn: Any) -> dict:
     return {k: v for k, v in (learn.__getstate__() if own else vars(learn)).items() if k not in BINDING_ATTRS}
 
 
-def fit_request(objects: Dict[Hashable, Any], learner: Any, **call) -> bytes:
+def fit_request(objects: Dict[Hashable, Any], learner: Any, held: AbstractSet[str], **call) -> bytes:
     """A fit `call` (the learner, the fit's arguments) as bytes, with a seed drawn from the notebook's torch generator:
     a notebook that seeds torch gets the same shuffles, dropout and augmentations on the workers run after run, as a
-    local fit would. TypeError naming the first part that cannot be pickled, and the fix."""
+    local fit would. Tensors the workers `held` since their last fit travel as digests. TypeError naming the first
+    part that cannot be pickled, and the fix."""
     call["seed"] = int(torch.randint(0, 2**31 - 1, ()))
     try:
-        return dumps(call, objects=objects, learner=learner)
+        return dumps(call, objects=objects, learner=learner, held=held)
     except Exception as e:
         path = unpicklable_path({k: v for k, v in call.items() if k != "seed"}, {**objects, "learn": learner})
         raise TypeError(f"ddipp sends the learner to its worker processes, and {path} cannot be pickled ({e}); "

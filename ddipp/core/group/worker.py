@@ -2,7 +2,8 @@
 
 It joins the process group once (paying the torch/fastai import once), then serves commands on the socket
 it inherited: "set_context" (the notebook's directory and sys.path), "keep_data" (a data bunch to keep),
-"fit" (a learner and a fit call: run it under DDP, send back rank 0's results), "stop". Rank 0 relays its
+"fit" (a learner and a fit call: run it under DDP, send back rank 0's results and the digests of the tensors this rank
+keeps for the next fit), "stop". Rank 0 relays its
 progress bars and prints while it fits; SIGUSR1 asks its fit to stop (every rank stops after the same step).
 It exits when the notebook's process dies.
 """
@@ -42,6 +43,8 @@ class Worker:
         signal.signal(signal.SIGUSR1, lambda *_: dist.request_stop())  # the notebook's interrupt, sent to rank 0
         self.rank, self.device = ddipp.rank(), ddipp.device()
         self.data_digest, self.data = None, None
+        from .wire import HeldTensors
+        self.held = HeldTensors()  # the model's and optimizer's tensors after the last fit
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
     def send(self, message: tuple) -> None:
@@ -81,8 +84,9 @@ class Worker:
             raise RuntimeError(f"ddipp: rank {self.rank} holds data {self.data_digest}, not {digest}")
         from ddipp.core import dist
         dist.request_stop(False)  # an interrupt meant for an earlier fit
-        result = _fitting().run_fit(self.data, call, options, self.device, self.send if self.rank == 0 else None)
-        self.send(("done", result))
+        result, kept = _fitting().run_fit(self.data, call, options, self.device, self.send if self.rank == 0 else None,
+                                          self.held)
+        self.send(("done", (result, kept)))
 
 
 def _fitting():

@@ -14,7 +14,7 @@ from .progress import ProgressMirror
 def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = None, callbacks: Any = None) -> None:
     """`Learner.fit` on the worker group: same arguments, and afterwards the learner a local fit would leave."""
     group = group_of(learn)
-    call = fit_call(learn, epochs, lr, wd, listify(callbacks))
+    call = fit_call(learn, group.held, epochs, lr, wd, listify(callbacks))
     mirror = ProgressMirror()
     try:
         results, interrupted = group.fit(learn.data, call, learn.ddp.options, mirror)

@@ -6,7 +6,7 @@ learner: weights, optimizer state, and the callbacks it attached (the recorder a
 """
 import copy
 import sys
-from typing import Any, Callable, List, Optional
+from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 
 import torch
 from fastai.basic_data import DataBunch
@@ -15,15 +15,17 @@ from fastai.callback import Callback
 
 from ...core import dist as ddist
 from ...core.group.output import relayed_output
-from ...core.group.wire import dumps, fit_request, loads, without_unpicklable
+from ...core.group.wire import HeldTensors, dumps, fit_request, loads, without_unpicklable
 from ...core.rng import seed_all
 from .progress import ProgressRelay
-from .shipping import data_objects, learner_objects, loaders, move_optimizer_state
+from .shipping import data_objects, learner_objects, loaders, move_optimizer_state, state_tensors
 
 
-def fit_call(learn: Learner, epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
-    """The notebook's half: `learn.fit(epochs, lr, wd, callbacks)` as bytes, the learner's data as a reference."""
-    return fit_request(data_objects(learn.data), learn, learn=learn, epochs=epochs, lr=lr, wd=wd, callbacks=callbacks)
+def fit_call(learn: Learner, held: AbstractSet[str], epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
+    """The notebook's half: `learn.fit(epochs, lr, wd, callbacks)` as bytes, the learner's data as a reference, the
+    tensors the workers `held` as digests."""
+    return fit_request(data_objects(learn.data), learn, held, learn=learn, epochs=epochs, lr=lr, wd=wd,
+                       callbacks=callbacks)
 
 
 def place_data(data: DataBunch, device: torch.device) -> DataBunch:
@@ -34,13 +36,14 @@ def place_data(data: DataBunch, device: torch.device) -> DataBunch:
     return data
 
 
-def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
-            send: Optional[Callable[[tuple], None]]) -> Optional[List[bytes]]:
-    """A worker's half: run the call under DDP; on rank 0 (the one given `send`) relay progress, return results.
+def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, send: Optional[Callable[[tuple], None]],
+            held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
+    """A worker's half: run the call under DDP (taking the tensors it names from `held`); on rank 0 (the one given
+    `send`) relay progress and return results; keep the model's and optimizer's tensors in `held`, with their digests.
 
     A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
     local fit: what was trained so far comes back."""
-    request = loads(call, data_objects(data), device)
+    request = loads(call, data_objects(data), device, held=held)
     seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
     learn.model.to(device)
@@ -52,7 +55,7 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device,
             learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks)
     except ddist.StopRequested:
         pass
-    return None if send is None else results(learn)
+    return None if send is None else results(learn), held.keep(state_tensors(learn))
 
 
 def results(learn: Learner) -> List[bytes]:

@@ -1,6 +1,6 @@
 """What of a fastai v1 learner both the notebook and its workers hold, so that it travels as references
 (ddipp.core.group.wire)."""
-from typing import Any, Dict, Hashable
+from typing import Any, Dict, Hashable, Iterator
 
 import torch
 from fastai.basic_data import DataBunch, DeviceDataLoader
@@ -34,3 +34,11 @@ def move_optimizer_state(learn: Learner) -> None:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != param.device:
                 state[key] = value.to(param.device)
+
+
+def state_tensors(learn: Learner) -> Iterator[torch.Tensor]:
+    """The tensors of the model's and the optimizer's state: what a worker keeps for the next fit."""
+    yield from learn.model.state_dict().values()
+    opt = getattr(learn, "opt", None)
+    for state in (opt.opt.state.values() if opt else ()):
+        yield from (value for value in state.values() if isinstance(value, torch.Tensor))

@@ -16,7 +16,7 @@ def fit_on_group(learn: Learner, n_epoch: int, lr: Any = None, wd: Any = None, c
     """`Learner.fit` on the worker group: same arguments, and afterwards the learner a local fit would leave."""
     group = group_of(learn)
     callbacks = fit_callbacks(learn, cbs)  # listed before the call is made: both sides list the same
-    call = fit_call(learn, n_epoch, lr, wd, cbs, reset_opt, start_epoch)
+    call = fit_call(learn, group.held, n_epoch, lr, wd, cbs, reset_opt, start_epoch)
     mirror = ProgressMirror()
     try:
         results, interrupted = group.fit(learn.dls, call, learn.ddp.options, mirror)

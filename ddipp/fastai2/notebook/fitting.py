@@ -8,7 +8,7 @@ objects, so a callback the user holds sees what the fit did to it.
 """
 import sys
 from contextlib import ExitStack
-from typing import Any, Callable, List, Optional
+from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 
 import torch
 from fastai.callback.progress import ProgressCallback
@@ -17,18 +17,20 @@ from fastai.learner import Learner
 
 from ...core import dist as ddist
 from ...core.group.output import relayed_output
-from ...core.group.wire import (dumps, fit_request, grad_from_spec, grad_spec, loads, travelling_state,
+from ...core.group.wire import (HeldTensors, dumps, fit_request, grad_from_spec, grad_spec, loads, travelling_state,
                                 without_unpicklable)
 from ...core.rng import seed_all
 from .progress import ProgressRelay
-from .shipping import data_objects, fit_callbacks, learner_objects, move_optimizer_state
+from .shipping import data_objects, fit_callbacks, learner_objects, move_optimizer_state, state_tensors
 
 _HELD = ("dls", "model", "opt", "cbs")  # the learner's attributes that come back otherwise (or are the same objects)
 
 
-def fit_call(learn: Learner, n_epoch: int, lr: Any, wd: Any, cbs: Any, reset_opt: bool, start_epoch: int) -> bytes:
-    """The notebook's half: `learn.fit(...)` as bytes, the learner's data as a reference."""
-    return fit_request(data_objects(learn.dls), learn, learn=learn, n_epoch=n_epoch, lr=lr, wd=wd, cbs=cbs,
+def fit_call(learn: Learner, held: AbstractSet[str], n_epoch: int, lr: Any, wd: Any, cbs: Any, reset_opt: bool,
+             start_epoch: int) -> bytes:
+    """The notebook's half: `learn.fit(...)` as bytes, the learner's data as a reference, the tensors the workers
+    `held` as digests."""
+    return fit_request(data_objects(learn.dls), learn, held, learn=learn, n_epoch=n_epoch, lr=lr, wd=wd, cbs=cbs,
                        reset_opt=reset_opt, start_epoch=start_epoch)
 
 
@@ -38,13 +40,14 @@ def place_data(dls: DataLoaders, device: torch.device) -> DataLoaders:
     return dls
 
 
-def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device,
-            send: Optional[Callable[[tuple], None]]) -> Optional[List[bytes]]:
-    """A worker's half: run the call under DDP; on rank 0 (the one given `send`) relay progress, return results.
+def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device, send: Optional[Callable[[tuple], None]],
+            held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
+    """A worker's half: run the call under DDP (taking the tensors it names from `held`); on rank 0 (the one given
+    `send`) relay progress and return results; keep the model's and optimizer's tensors in `held`, with their digests.
 
     A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
     local fit: what was trained so far comes back."""
-    request = loads(call, data_objects(dls), device)
+    request = loads(call, data_objects(dls), device, held=held)
     seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
     learn.model.to(device)
@@ -61,7 +64,7 @@ def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device,
                       reset_opt=request["reset_opt"], start_epoch=request["start_epoch"])
     except ddist.StopRequested:
         pass
-    return None if send is None else results(learn, callbacks, relay)
+    return None if send is None else results(learn, callbacks, relay), held.keep(state_tensors(learn))
 
 
 def _relayed_progress(learn: Learner, send: Callable[[tuple], None], stack: ExitStack) -> Optional[ProgressRelay]:
@@ -87,7 +90,8 @@ def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = No
     """What the fit changed, in two parts: the weights (with their gradients) and optimizer first, on their own; then
     the learner's attributes, the state of each of the fit's `callbacks`, the callbacks the fit added, and notes on
     what could not be pickled (None in its place: an unpicklable attribute never costs the weights or the recorder).
-    What held the `relay` (learn.logger, CSVLogger's old_logger) comes back holding the ProgressCallback it stood for."""
+    What held the `relay` (learn.logger, CSVLogger's old_logger) comes back holding the ProgressCallback it stood
+    for."""
     objects = learner_objects(learn, callbacks)
     if relay is not None:
         objects.update({key: relay for key, cb in list(objects.items()) if cb is relay.stands_for})

@@ -9,7 +9,7 @@ from torch import nn
 from fastai.basic_train import LearnerCallback
 
 from ddipp.fastai1.notebook.fitting import fit_call
-from ddipp.core.group.wire import digest, dumps, loads
+from ddipp.core.group.wire import HeldTensors, digest, dumps, loads
 from ddipp.fastai1.notebook.shipping import data_objects, learner_objects
 from scenario import digits_data, digits_learner
 
@@ -97,7 +97,26 @@ def test_an_unpicklable_attribute_is_named_by_its_path(tmp_path):
     learn.callbacks[0].lock = None  # an attribute of the same name elsewhere that does pickle
     learn.callbacks += [HoldsALock(learn)]
     with pytest.raises(TypeError) as raised:
-        fit_call(learn, 1, 1e-2, None, [])
+        fit_call(learn, frozenset(), 1, 1e-2, None, [])
     assert str(raised.value) == ("ddipp sends the learner to its worker processes, and learn.callbacks[1].lock cannot "
                                  "be pickled (cannot pickle '_thread.lock' object); set it to None or delete it "
                                  "before the fit, or make its class picklable")
+
+
+def test_tensors_the_workers_hold_travel_as_digests_and_each_use_gets_a_tensor_of_its_own():
+    torch.manual_seed(0)
+    weight, ones, other, small = torch.randn(64, 32), torch.ones(512), torch.randn(300), torch.randn(8)
+    message = dict(weight=weight, ones=ones, same_ones=torch.ones(512), other=other, small=small)
+    kept_weight, kept_ones = weight.clone(), torch.ones(512)  # what a worker holds after its fit
+    held = HeldTensors()
+    digests = held.keep([kept_weight, kept_ones, torch.ones(2)])  # 8 bytes: travels whole, never held
+    assert len(digests) == 2
+    whole, named = dumps(message), dumps(message, held=frozenset(digests))
+    assert len(whole) - len(named) >= (64 * 32 + 512 * 2) * 4 - 500  # the weight and both ones, less their digests
+    got = loads(named, held=held)
+    assert got["weight"].data_ptr() == kept_weight.data_ptr() and got["ones"].data_ptr() == kept_ones.data_ptr()
+    assert got["same_ones"].data_ptr() != kept_ones.data_ptr()  # equal values: a copy, or a fit would train one tensor
+    assert all(torch.equal(got[k], v) for k, v in message.items())
+    assert held.tensors == {} and held.taken == {}  # what the message did not take is dropped; the fit changes the rest
+    with pytest.raises(RuntimeError, match="holds no tensor"):  # a record that went wrong fails loudly
+        loads(named, held=held)

@@ -8,6 +8,7 @@ from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from fastai.learner import Learner, load_learner
 from fastai.metrics import F1Score, accuracy
+from fastai.optimizer import SGD
 from fastai.tabular.all import Normalize, TabularDataLoaders, tabular_learner
 from fastai.torch_core import params as group_params
 from sklearn.datasets import load_digits
@@ -117,6 +118,38 @@ def story(learn) -> dict:
     res["fit_unfrozen"], res["params_unfrozen"] = history(learn), params(learn)
     learn.fine_tune(1, 1e-3)
     res["fine_tune"], res["params_fine_tune"] = history(learn), params(learn)
+    return res
+
+
+def wide_digits_learner(dls, path) -> Learner:
+    """digits_learner with 512 hidden units (160 KB of weights, twice that of Adam's moments)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))
+    return Learner(dls, model, loss_func=nn.CrossEntropyLoss(), metrics=accuracy, splitter=two_groups, path=path)
+
+
+def changes_between_fits(learn, sent=lambda: None) -> dict:
+    """A fit after each change a notebook makes between fits (none; a weight edited by hand; saved weights and
+    optimizer loaded; freeze; a new optimizer): the parameters after each, and what `sent()` says after each."""
+    res = dict(params=[], sent=[])
+
+    def fit():
+        learn.fit(1, 1e-2)
+        res["params"].append(params(learn))
+        res["sent"].append(sent())
+    fit()
+    learn.save("saved")
+    fit()  # unchanged
+    learn.model[0].weight.data[3] = 0.5  # by hand, through .data (which autograd does not track)
+    fit()
+    learn.load("saved")
+    fit()
+    learn.freeze()
+    fit()
+    learn.unfreeze()
+    learn.opt_func = SGD
+    learn.create_opt()
+    fit()
     return res
 
 
