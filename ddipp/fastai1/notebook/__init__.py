@@ -5,14 +5,14 @@ How one fit flows (each box a module of this package)::
     notebook                                        worker process (one per rank, fresh interpreter)
     --------                                        ------------------------------------------------
     learn.fit(...)  -> binding.fit_on_group   (learn.fit of a learner core.group.binding bound)
-                    -> fitting.fit_call   (the learner as bytes: shipping)
+                    -> fitting.fit_call   (the learner as bytes: shipping; tensors the workers kept, as digests)
                     -> group.WorkerGroup  ==socket==> worker.Worker (its command loop)
                                                         -> fitting.run_fit: learn.to_ddp(), learn.fit(...)
                        progress.ProgressMirror <==== progress.ProgressRelay (rank 0's bars, prints)
                        fitting.apply_results  <==== rank 0's weights, optimizer state, callbacks
 
 Commands the notebook sends, each the name of a `Worker` method: "set_context", "keep_data", "fit", "stop".
-Replies: "ready", "done" (a fit's results), "error" (a pickled exception and its traceback), "out" (rank
+Replies: "ready", "done" (a fit's results, the digests of what each rank keeps), "error" (a pickled exception and its traceback), "out" (rank
 0's prints) and progress events. The store the workers rendezvous on listens on loopback only, and only
 until every worker has joined.
 """

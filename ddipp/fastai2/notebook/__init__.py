@@ -5,7 +5,8 @@ How one fit flows (each box a module of this package, or of ddipp.core.group)::
     notebook                                          worker process (one per rank, fresh interpreter)
     --------                                          ------------------------------------------------
     learn.fit(...)  -> binding.fit_on_group  (learn.fit of a learner core.group.binding bound)
-                    -> fitting.fit_call   (the learner and the fit's callbacks as bytes: shipping)
+                    -> fitting.fit_call   (the learner and the fit's callbacks as bytes: shipping; tensors
+                                           the workers kept from the last fit, as digests)
                     -> core.group.WorkerGroup  ==socket==> core.group.worker.Worker (its command loop)
                                                            -> fitting.run_fit: learn.to_ddp(), learn.fit(...)
                        progress.ProgressMirror  <======= progress.ProgressRelay (rank 0's bars and table)
