@@ -21,7 +21,8 @@ Usage::
 
 Everything after the script is passed to it untouched. Workers get torch elastic's environment
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), ddipp's device list in ``DDIPP_DEVICES`` ("3,1" or
-"cpu"), ``--timeout`` in ``DDIPP_TIMEOUT``, and ``OMP_NUM_THREADS=1`` unless it is set.
+"cpu"), ``--timeout`` in ``DDIPP_TIMEOUT``, and, unless it is set, ``OMP_NUM_THREADS``: the host's cores divided by
+the processes on it (at least 1); a fastai loader with fastai's default worker processes (one per core) gets as many.
 
 On one host nothing listens beyond loopback: the rendezvous is torch's static one (no pickles), on a store
 served from a socket ddipp binds to 127.0.0.1 at a port the OS picks (or ``--master-port``), so launches
@@ -142,12 +143,13 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
 
 def worker_env(args: argparse.Namespace, nproc: int, devices: str, environ: Mapping[str, str] = os.environ) -> dict:
     """What ddipp adds to the workers' environment (the rest is elastic's): the device list, the collectives' timeout,
-    one OpenMP thread per process when several share the host, and on one host gloo and NCCL on loopback."""
-    from .core.dist import DEVICES_ENV, TIMEOUT_ENV, loopback_env  # here: bad input fails before torch loads
+    each process's share of the host's cores as OpenMP threads when several share the host, and on one host gloo and
+    NCCL on loopback."""
+    from .core.dist import DEVICES_ENV, TIMEOUT_ENV, cores_per_rank, loopback_env  # bad input fails before torch loads
 
     env = {DEVICES_ENV: devices, TIMEOUT_ENV: str(args.timeout)}
     if nproc > 1 and "OMP_NUM_THREADS" not in environ:
-        env["OMP_NUM_THREADS"] = "1"
+        env["OMP_NUM_THREADS"] = str(cores_per_rank(nproc))
     if args.nnodes == 1:
         env.update(loopback_env(environ))
     return env
@@ -211,6 +213,8 @@ def run(config: Config, listener: socket.socket | None) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.update(config.env)  # the workers inherit the launcher's environment
+    if config.nproc > 1:
+        _say_cores(config.nproc)
     logs = _rank_logs(config)
     launch_config = LaunchConfig(min_nodes=config.nnodes, max_nodes=config.nnodes, nproc_per_node=config.nproc,
                                  max_restarts=config.max_restarts, logs_specs=logs, **_rendezvous(config, listener))
@@ -223,6 +227,15 @@ def run(config: Config, listener: socket.socket | None) -> int:
         return 128 + e.sigval
     shutil.rmtree(logs.root_log_dir)
     return 0
+
+
+def _say_cores(nproc: int) -> None:
+    """Say once how the host's cores are shared by its `nproc` processes (OMP_NUM_THREADS is set by then)."""
+    from .core.dist import cores_per_rank, host_cores
+
+    print(f"{PROG}: {nproc} processes share {host_cores()} cores: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
+          f"each, and num_workers={cores_per_rank(nproc)} for a fastai loader left at fastai's default; set either to "
+          f"choose", file=sys.stderr, flush=True)
 
 
 def _rendezvous(config: Config, listener: socket.socket | None) -> dict:

@@ -21,7 +21,7 @@ WORKERS = Path(__file__).parent / "workers"
 ECHO, FAIL = WORKERS / "launch_echo.py", WORKERS / "launch_fail.py"
 # fastai's import warns about pkg_resources in every launcher; pytest.ini ignores it the same way
 ENV = dict(os.environ, PYTHONWARNINGS="ignore:pkg_resources is deprecated:UserWarning")
-ENV.pop("OMP_NUM_THREADS", None)  # the launcher must set it to 1 itself
+ENV.pop("OMP_NUM_THREADS", None)  # the launcher must set it itself
 
 
 def launch(*args: str, tmp: Path | None = None) -> subprocess.Popen:
@@ -81,7 +81,8 @@ def wait_for(paths: list[Path], procs: list[subprocess.Popen], seconds: float = 
     return True
 
 
-def test_one_host_listens_on_loopback_and_keeps_the_workers_there():
+def test_one_host_listens_on_loopback_and_keeps_the_workers_there(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # 2 cores: a thread per process
     config = config_from_args(parse(["--nproc", "2", str(ECHO), "--epochs", "4"]), environ={})
     assert config == Config(script=str(ECHO), script_args=["--epochs", "4"], nproc=2, nnodes=1, node_rank=0,
                             master_addr="127.0.0.1", master_port=0, max_restarts=0,
@@ -90,6 +91,13 @@ def test_one_host_listens_on_loopback_and_keeps_the_workers_there():
     with store_socket(config) as first, store_socket(config) as second:  # two launches at once
         assert first.getsockname()[0] == second.getsockname()[0] == "127.0.0.1"
         assert first.getsockname()[1] != second.getsockname()[1]
+
+
+@pytest.mark.parametrize("cores, nproc, threads", [(16, 8, "2"), (16, 3, "5"), (2, 4, "1")])
+def test_each_process_gets_its_share_of_the_hosts_cores_as_threads(monkeypatch, cores, nproc, threads):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    config = config_from_args(parse(["--nproc", str(nproc), str(ECHO)]), environ={})
+    assert config.env["OMP_NUM_THREADS"] == threads
 
 
 def test_the_users_own_settings_win():
@@ -236,7 +244,8 @@ def test_every_rank_gets_its_env_and_the_script_args(two_launches):
         for rank in range(2):
             seen = json.loads((run.out / f"rank{rank}.json").read_text())
             assert seen == dict(seen, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", DDIPP_DEVICES="cpu",
-                                DDIPP_TIMEOUT=timeout, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+                                DDIPP_TIMEOUT=timeout, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // 2)),
+                                MASTER_ADDR="127.0.0.1",
                                 GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="=lo",
                                 args=["--epochs", "4", "--nproc", "7"], sum_of_ranks_plus_one=3)
 
@@ -263,6 +272,9 @@ def test_only_rank0_prints_and_the_others_log_to_the_printed_files(two_launches)
     assert "stdout of rank 0" in run.stdout and "stdout of rank 1" not in run.stdout
     assert "stderr of rank 0" in run.stderr and "stderr of rank 1" not in run.stderr
     assert len(re.findall("only rank 0 prints here", run.stderr)) == 1
+    share = max(1, len(os.sched_getaffinity(0)) // 2)  # said once, before the ranks start
+    assert run.stderr.count(f"2 processes share {len(os.sched_getaffinity(0))} cores: OMP_NUM_THREADS={share} each, "
+                            f"and num_workers={share} for a fastai loader left at fastai's default") == 1
     [(out_log, err_log)] = log_paths(run.stderr, 1)
     assert "stdout of rank 1" in run.files[out_log]  # read while the group ran: a successful run's logs go
     assert "stderr of rank 1" in run.files[err_log]

@@ -44,6 +44,24 @@ def is_rank0() -> bool:
     return rank() == 0
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as fastai counts them)."""
+    return len(os.sched_getaffinity(0))
+
+
+def cores_per_rank(ranks_on_host: int) -> int:
+    """A rank's fair share of the host's cores: the cores divided by the ranks on the host, never below 1."""
+    return max(1, host_cores() // max(1, ranks_on_host))
+
+
+def loader_workers(num_workers: int, fastai_default: int) -> int:
+    """How many worker processes a loader gets on this rank: fastai's default (one per core, `fastai_default`)
+    becomes the rank's share of the host's cores (LOCAL_WORLD_SIZE ranks share it); a number the user chose stays."""
+    if num_workers != fastai_default:
+        return num_workers
+    return min(num_workers, cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
 def loopback_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The variables to add to a one-host group's environment so that gloo and NCCL listen on loopback only (the user's
     own settings win); without them gloo listens on the address the host name resolves to, reachable by others."""

@@ -1,9 +1,11 @@
 """fastai v1 loaders sharded across ranks (ddipp.core.sharding over fastai's samplers, SortishSampler, LM streams)."""
 import numpy as np
 from fastai.basic_data import DeviceDataLoader
+from fastai.core import defaults
 from fastai.text.data import LanguageModelPreLoader, SortishSampler
 from torch.utils.data import BatchSampler, Sampler, SequentialSampler
 
+from ..core.dist import loader_workers
 from ..core.sharding import RepeatedBatches, ShardedEvalBatchSampler, ShardedSampler, global_rngs_seeded
 from .compat import sortish_chunks
 
@@ -92,7 +94,9 @@ def lm_eval_loader(loader: DeviceDataLoader) -> DeviceDataLoader:
 
 
 def _with(loader: DeviceDataLoader, dataset, batch_sampler: Sampler) -> DeviceDataLoader:
-    """A copy of `loader` reading `dataset` in the batches of `batch_sampler`."""
+    """A copy of `loader` reading `dataset` in the batches of `batch_sampler`, with this rank's share of the host's
+    cores as worker processes if it had fastai's default (one per core)."""
     kwargs = dict(loader.dl.init_kwargs, batch_sampler=batch_sampler, batch_size=1, shuffle=False, sampler=None,
                   drop_last=False)
+    kwargs["num_workers"] = loader_workers(kwargs.get("num_workers", 0), defaults.cpus)
     return DeviceDataLoader(loader.dl.__class__(dataset, **kwargs), loader.device, loader.tfms, loader.collate_fn)

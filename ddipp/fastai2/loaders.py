@@ -8,9 +8,11 @@ import random
 from typing import Optional
 
 from fastai.data.load import DataLoader
+from fastcore.basics import defaults
 from fastai.text.data import LMDataLoader, SortedDL
 from fastai.torch_core import apply, to_detach
 
+from ..core.dist import loader_workers
 from ..core.sharding import ShardedEvalBatchSampler, ShardedSampler, global_batches
 
 
@@ -40,14 +42,16 @@ class LoaderOrder:
 
 class _ReadsThrough(DataLoader):
     """A fastai DataLoader of its own order that reads its items through the loader `dl` (its transforms, collation,
-    device); any other attribute is `dl`'s. It has fastai's worker processes (num_workers) as `dl` has."""
+    device); any other attribute is `dl`'s. It has `dl`'s worker processes (num_workers), or this rank's share of the
+    host's cores if `dl` had fastai's default (one per core)."""
     _default = "dl"
 
     def __init__(self, dl: DataLoader, bs, n: int, drop_last: bool = False):
         self.dl = dl
         fake = dl.fake_l
         super().__init__(dl.dataset, bs=bs, n=n, drop_last=drop_last, shuffle=False, indexed=dl.indexed,
-                         device=dl.device, num_workers=fake.num_workers, pin_memory=fake.pin_memory,
+                         device=dl.device, num_workers=loader_workers(fake.num_workers, min(16, defaults.cpus)),
+                         pin_memory=fake.pin_memory,
                          timeout=fake.timeout, persistent_workers=fake.persistent_workers,
                          pin_memory_device=fake.pin_memory_device)
 

@@ -55,3 +55,12 @@ def test_a_rank_stopped_by_a_peers_failure_names_that_rank_and_its_error(tmp_pat
     assert r0["notes"] == ["ddipp: this rank stopped because rank 1 failed, with:\nValueError: rank 1 fails on purpose"]
     for rank in (r0, r1):  # both left the group at once and run alone
         assert (rank["world_size_after"], rank["initialized_after"]) == (1, False)
+
+
+@pytest.mark.parametrize("cores, ranks, default, chosen, expected", [
+    (8, 2, 8, 8, 4), (16, 8, 16, 16, 2), (2, 4, 2, 2, 1), (8, 2, 8, 3, 3), (8, 2, 8, 0, 0), (8, 1, 8, 8, 8)])
+def test_a_loader_left_at_fastais_default_gets_the_ranks_share_of_the_cores(monkeypatch, cores, ranks, default,
+                                                                             chosen, expected):
+    monkeypatch.setattr(dist.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    assert dist.loader_workers(chosen, default) == expected  # a number the user chose (not the default) stays

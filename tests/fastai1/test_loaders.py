@@ -6,7 +6,7 @@ from fastai.text.data import SortishSampler
 from torch.utils.data import RandomSampler, SequentialSampler
 
 from ddipp.core.sharding import ShardedEvalBatchSampler, ShardedSampler
-from ddipp.fastai1.loaders import _train_sampler
+from ddipp.fastai1.loaders import _train_sampler, shard_eval_loader, shard_train_loader
 
 
 def _shards(sampler, world_size, seed=7, epoch=0):
@@ -71,3 +71,19 @@ def test_eval_batches_cover_each_item_once_and_placeholders_fill_empty_parts(n, 
         assert sorted(i for part in real for i in part) == batch
         for r in range(world_size):
             assert per_rank[r][k] == (batch[r::world_size] or batch[:1])
+
+
+def test_a_loader_left_at_fastais_default_workers_gets_the_ranks_share_of_the_cores(monkeypatch):
+    from fastai.basic_data import DeviceDataLoader
+    from fastai.core import defaults
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddipp.core import dist
+    monkeypatch.setattr(dist.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(defaults, "cpus", 8)  # fastai's default num_workers: min(16, the cores)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    data = TensorDataset(torch.arange(40.0))
+    for workers, expected in ((8, 4), (3, 3), (0, 0)):  # a number the user chose stays
+        loader = DeviceDataLoader(DataLoader(data, batch_size=4, num_workers=workers), torch.device("cpu"))
+        assert shard_train_loader(loader, 0, 2, seed=3).dl.num_workers == expected
+        assert shard_eval_loader(loader, 0, 2).dl.num_workers == expected

@@ -62,6 +62,19 @@ def test_fastais_worker_processes_read_the_same_shards_and_parts():
     assert batches(2) == batches(0)  # fastai's DataBlock loaders default to a worker per CPU
 
 
+def test_a_loader_left_at_fastais_default_workers_gets_the_ranks_share_of_the_cores(monkeypatch):
+    from ddipp.core import dist
+    from fastcore.basics import defaults
+    monkeypatch.setattr(dist.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(defaults, "cpus", 8)  # what fastai's dataloaders() gives a loader: min(16, defaults.cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    items = list(range(40))
+    for workers, expected in ((8, 4), (3, 3), (0, 0)):  # a number the user chose stays
+        dl = DataLoader(items, bs=4, num_workers=workers, drop_last=True)
+        assert ShardedTrainDL(dl, 0, 2, seed=3).fake_l.num_workers == expected
+        assert ShardedEvalDL(dl, 0, 2).fake_l.num_workers == expected
+
+
 def test_a_shuffled_order_is_the_same_on_all_ranks_and_changes_with_the_epoch():
     dl = DataLoader(list(range(101)), bs=5, shuffle=True, drop_last=True)
     epoch0, again, epoch1 = _orders(dl, 2, epoch=0), _orders(dl, 2, epoch=0), _orders(dl, 2, epoch=1)

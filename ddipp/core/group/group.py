@@ -65,7 +65,9 @@ class WorkerGroup:
         self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
         self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
         started = time.monotonic()
-        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} ...", end="", flush=True)
+        threads, share = os.environ.get("OMP_NUM_THREADS"), ddist.cores_per_rank(len(devices))
+        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} (OMP_NUM_THREADS={threads or share} "
+              f"each; num_workers={share} for a loader left at fastai's default) ...", end="", flush=True)
         try:
             for rank in range(len(devices)):
                 self._spawn(rank)
@@ -91,8 +93,8 @@ class WorkerGroup:
                    **{ddist.DEVICES_ENV: "cpu" if cpu else ",".join(d.split(":")[1] for d in self.devices),
                       ddist.TIMEOUT_ENV: str(self.timeout), ddist.CONNECTION_FD_ENV: str(theirs.fileno())},
                    **ddist.loopback_env())
-        if cpu:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(self.devices)))
+        if "OMP_NUM_THREADS" not in os.environ:  # the notebook's own setting wins
+            env["OMP_NUM_THREADS"] = str(ddist.cores_per_rank(len(self.devices)))
         with open(self.logs / f"rank{rank}.log", "wb") as log:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", "from ddipp.core.group.worker import main; main()"],
