@@ -6,7 +6,7 @@ VENV2  ?= .venv2
 PY      = $(VENV)/bin/python
 PY2     = $(VENV2)/bin/python
 
-.PHONY: demo test gpu-check
+.PHONY: demo test gpu-check benchmark
 
 # DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
 # script as one plain process, so the two accuracies print one under the other: fastai v1, then fastai v2
@@ -39,3 +39,9 @@ $(VENV2)/.installed: setup.py
 # a check failed. Not part of `make test`
 gpu-check: $(VENV)/.installed $(VENV2)/.installed
 	$(PY) tools/gpu_check.py --python1 $(PY) --python2 $(PY2)
+
+# the same training under a torch DDP loop (torchrun), fastai v2's own DDP (it needs accelerate) and ddipp on fastai v1
+# and v2, 1 and 2 processes: writes benchmarks/README.md and benchmarks/throughput.png. Not part of `make test`
+benchmark: $(VENV)/.installed $(VENV2)/.installed
+	$(PY2) -m pip install --quiet accelerate
+	$(PY) benchmarks/throughput.py
