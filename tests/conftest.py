@@ -1,5 +1,6 @@
 """Shared fixtures: tiny data sets made on the spot (no downloads), a one-thread torch, and the scenario
 (tests/workers/scenario.py) played once launched on 2 ranks and once in one process, for every module."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,29 @@ def launch_2_ranks(script: Path, out: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "120", str(script),
                            str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+def run_notebook(path: Path, folder: Path, **env: str) -> tuple:
+    """The notebook at `path` run top to bottom in a Jupyter kernel of this Python, in `folder`, with examples/
+    importable and `env` set: its cells with their outputs, and every HTML display and display update it made (a
+    finished bar's last update leaves only its table in the cells)."""
+    import nbformat
+    from nbclient import NotebookClient
+    html = []
+
+    class Recording(NotebookClient):
+        def process_message(self, msg, cell, cell_index):
+            html.append(msg["content"].get("data", {}).get("text/html", ""))
+            return super().process_message(msg, cell, cell_index)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
+        for name, value in env.items():
+            mp.setenv(name, value)
+        notebook = nbformat.read(path, as_version=4)
+        Recording(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
+    return notebook, html
+
+
+def notebook_outputs(notebook) -> list:
+    """The outputs of a run notebook's code cells, in order."""
+    return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]

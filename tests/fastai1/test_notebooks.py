@@ -4,17 +4,14 @@ Each must run without error, draw fastprogress's HTML bars and results table in 
 metric of its final model within a stated bound, and leave the notebook's learner with the weights rank 0 trained:
 the notebook saves its learner right after a fit whose SaveModelCallback made rank 0 write (and every rank reload)
 the best epoch. Rendered, it shows no stderr (its own code warns of nothing) and no learner's repr."""
-import os
 import re
 
-import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
 
 import ddipp  # noqa: F401  (fastai's saved files hold numpy scalars, which ddipp.compat allows in torch.load)
 
-from conftest import ROOT
+from conftest import ROOT, notebook_outputs, run_notebook
 
 NOTEBOOKS = ROOT / "examples" / "notebooks"
 # notebook: (the metric it prints as "validation <metric> <value>"; the bound (one process reaches, on CPU:
@@ -27,18 +24,6 @@ EXPECTED = {"vision_digits.ipynb": ("accuracy", 0.85, "stage-2", "best"),
 AT_MOST = {"mse"}  # bounds from above; the others are bounds from below
 
 
-class RecordingClient(NotebookClient):
-    """Also keeps every HTML display and display update (a finished bar's last update leaves only its table)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.html = []
-
-    def process_message(self, msg, cell, cell_index):
-        self.html.append(msg["content"].get("data", {}).get("text/html", ""))
-        return super().process_message(msg, cell, cell_index)
-
-
 def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECTED)
 
@@ -47,24 +32,15 @@ def test_every_notebook_is_tested():
 def executed(request, tmp_path_factory):
     """A notebook run top to bottom in a kernel (once for the tests below): its name, cells, HTML displays, folder."""
     name, folder = request.param, tmp_path_factory.mktemp(request.param.split(".")[0])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
-        notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-        client = RecordingClient(notebook, timeout=600, kernel_name="python3",
-                                 resources={"metadata": {"path": str(folder)}})
-        client.execute()
-    return name, notebook, client.html, folder
-
-
-def _outputs(notebook):
-    return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+    notebook, html = run_notebook(NOTEBOOKS / name, folder)
+    return name, notebook, html, folder
 
 
 def test_notebook_runs_and_brings_rank0s_training_back(executed):
     name, notebook, displays, folder = executed
     metric, bound, saved_here, saved_by_rank0 = EXPECTED[name]
     assert any(html.count("<progress") == 2 for html in displays)  # the master bar and an epoch's bar
-    outputs = _outputs(notebook)
+    outputs = notebook_outputs(notebook)
     html = "".join(out.get("data", {}).get("text/html", "") for out in outputs)
     assert html.count("<th>train_loss</th>") >= 2  # the results tables, kept in the notebook
     text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
@@ -77,6 +53,6 @@ def test_notebook_runs_and_brings_rank0s_training_back(executed):
 def test_notebook_shows_no_stderr_and_no_learner_repr(executed):
     """No red box: the notebooks' own code warns of nothing, so any stderr is noise (fastai's, torch's, ddipp's)."""
     _, notebook, _, _ = executed
-    outputs = _outputs(notebook)
+    outputs = notebook_outputs(notebook)
     assert [out.text for out in outputs if out.output_type == "stream" and out.name == "stderr"] == []
     assert not [out for out in outputs if out.get("data", {}).get("text/plain", "").startswith("Learner(")]

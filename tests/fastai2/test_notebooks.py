@@ -6,17 +6,14 @@ results table in its cells, print the validation metric of its final model withi
 notebook's learner with the weights rank 0 trained: the notebook saves its learner right after a fit whose
 SaveModelCallback made rank 0 write (and every rank reload) the best epoch. Rendered, it shows no stderr but the
 warnings fastai gives for the notebook's own code in a plain notebook too, and no learner's repr."""
-import os
 import re
 import sys
 
-import nbformat
 import pytest
 import torch
 from jupyter_client import KernelManager
-from nbclient import NotebookClient
 
-from conftest import ROOT
+from conftest import ROOT, notebook_outputs, run_notebook
 
 NOTEBOOKS = ROOT / "examples" / "notebooks" / "fastai2"
 # notebook: (the metric it prints as "validation <metric> <value>"; its bound; the file saved in the notebook; the
@@ -36,18 +33,6 @@ FASTAI_WARNINGS = (r"FutureWarning: `torch\.jit\.script` is deprecated", r"UserW
 WARNING = re.compile(r"^\S+:\d+: (\w+: .*)\n(?:  .*\n)?", re.MULTILINE)  # what warnings.showwarning writes
 
 
-class RecordingClient(NotebookClient):
-    """Also keeps every HTML display and display update (a finished bar's last update leaves only its table)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.html = []
-
-    def process_message(self, msg, cell, cell_index):
-        self.html.append(msg["content"].get("data", {}).get("text/html", ""))
-        return super().process_message(msg, cell, cell_index)
-
-
 def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECTED)
 
@@ -60,18 +45,9 @@ def test_the_kernel_is_this_python():
 def executed(request, tmp_path_factory):
     """A notebook run top to bottom in a kernel (once for the tests below): its name, cells, HTML displays, folder."""
     name, folder = request.param, tmp_path_factory.mktemp(request.param.split(".")[0])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
-        mp.setenv("OMP_NUM_THREADS", "1")  # the kernel's torch: one thread, as each worker's (a busy CPU starves more)
-        notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-        client = RecordingClient(notebook, timeout=600, kernel_name="python3",
-                                 resources={"metadata": {"path": str(folder)}})
-        client.execute()
-    return name, notebook, client.html, folder
-
-
-def _outputs(notebook):
-    return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+    # the kernel's torch: one thread, as each worker's (a busy CPU starves more)
+    notebook, html = run_notebook(NOTEBOOKS / name, folder, OMP_NUM_THREADS="1")
+    return name, notebook, html, folder
 
 
 def _weights(path):
@@ -84,7 +60,7 @@ def test_notebook_runs_and_brings_rank0s_training_back(executed):
     name, notebook, displays, folder = executed
     metric, bound, saved_here, saved_by_rank0 = EXPECTED[name]
     assert any(html.count("<progress") == 2 for html in displays)  # the master bar and an epoch's bar
-    outputs = _outputs(notebook)
+    outputs = notebook_outputs(notebook)
     html = "".join(out.get("data", {}).get("text/html", "") for out in outputs)
     assert "<th>train_loss</th>" in html and "<th>valid_loss</th>" in html  # a results table, kept in the notebook
     text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
@@ -102,7 +78,7 @@ def _unexplained(stderr: str) -> str:
 def test_notebook_shows_only_fastais_own_warnings_and_no_learner_repr(executed):
     """No red box but fastai's own: any other stderr is noise (torch's, ddipp's); to_ddp's cell ends with ';'."""
     _, notebook, _, _ = executed
-    outputs = _outputs(notebook)
+    outputs = notebook_outputs(notebook)
     stderr = "".join(out.text for out in outputs if out.output_type == "stream" and out.name == "stderr")
     assert _unexplained(stderr) == ""
     assert not [out for out in outputs if out.get("data", {}).get("text/plain", "").startswith("<fastai.")]
