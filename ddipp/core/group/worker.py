@@ -3,8 +3,8 @@
 It joins the process group once (paying the torch/fastai import once), then serves commands on the socket
 it inherited: "set_context" (the notebook's directory and sys.path), "keep_data" (a data bunch to keep),
 "fit" (a learner and a fit call: run it under DDP, send back rank 0's results and the digests of the tensors this rank
-keeps for the next fit), "stop". Rank 0 relays its
-progress bars and prints while it fits; SIGUSR1 asks its fit to stop (every rank stops after the same step).
+keeps for the next fit), "stop". Rank 0 relays its progress bars and prints while it fits; SIGUSR1 asks its fit to
+stop (every rank stops after the same step).
 It exits when the notebook's process dies.
 """
 import os
