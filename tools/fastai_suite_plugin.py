@@ -1,9 +1,12 @@
 """pytest plugin for fastai 1.0.61's own tests, run by tools/fastai_suite.py (`-p fastai_suite_plugin`).
 
-Before fastai's conftest.py runs: `import ddipp` (unless FASTAI_SUITE_DDIPP=0), one torch thread, no network.
-A test that failed for want of the network is reported as skipped, "needs a download"."""
+Before fastai's conftest.py runs: `import ddipp` (unless FASTAI_SUITE_DDIPP=0), one torch thread, no network,
+and sessions that save fastai's test registry in turns. A test that failed for want of the network is reported as
+skipped, "needs a download"."""
+import fcntl
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +24,24 @@ def prepare() -> None:
         _restore_ipython_display()
     import torch
     torch.set_num_threads(1)
+    save_registry_in_turns()
+
+
+def save_registry_in_turns() -> None:
+    """fastai's conftest merges each session's API registry into one JSON file as the session ends (read, then
+    rewrite): two test files ending at once would read it half-written, so each save holds a lock beside it."""
+    from fastai.gen_doc import doctest
+    save = doctest.TestRegistry.registry_save
+    if getattr(save, "in_turns", False):
+        return
+
+    def registry_save_in_turns():
+        lock = Path(doctest.__file__).parent.parent.resolve() / (doctest.DB_NAME + ".lock")
+        with open(lock, "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            save()
+    registry_save_in_turns.in_turns = True
+    doctest.TestRegistry.registry_save = staticmethod(registry_save_in_turns)
 
 
 def _offline_getaddrinfo(host, *args, **kwargs):
