@@ -28,18 +28,28 @@ EXACT = 1e-4  # recomputed validation numbers (float32 sums in another order)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """What each of the 2 launched ranks recorded, and the run's folder."""
+def launch(tmp_path_factory):
+    """The launched run of workers/apps_worker.py on 2 ranks, started (it runs beside the reference: the ranks' waits
+    in their collectives and imports leave CPU to it), and its folder."""
     out = tmp_path_factory.mktemp("apps_ddp")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", str(WORKERS / "apps_worker.py"),
-                           str(out)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out
+    with open(out / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ddipp.launch", "--nproc", "2", str(WORKERS / "apps_worker.py"),
+                                 str(out)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        yield proc, out
+    finally:
+        if proc.poll() is None:  # not waited for (a selection of tests, a failure): the launcher stops its ranks
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, digits_path):
+def single(launch, tmp_path_factory, digits_path):
     """The same runs in this process with the global batch, numpy seeded for each (fastai shuffles text with
     numpy's global generator: unseeded, this classifier's accuracy ranges 0.955-0.995 from run to run)."""
     out = tmp_path_factory.mktemp("apps_single")
@@ -49,6 +59,14 @@ def single(tmp_path_factory, digits_path):
         res[name] = run(digits_path if name == "vision" else out / apps.FOLDERS.get(name, name), apps.GLOBAL_BS[name])
     (out / "single.json").write_text(json.dumps(res))  # beside the ranks' results, for timings and reports
     return res
+
+
+@pytest.fixture(scope="module")
+def ranks(launch, single):
+    """What each of the 2 launched ranks recorded (the reference is played first, beside them), and the run's folder."""
+    proc, out = launch
+    assert proc.wait(timeout=900) == 0, (out / "stderr.txt").read_text()[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out
 
 
 @pytest.mark.parametrize("app", PARITY)
