@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
 CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"  # set by the notebook's worker group: a worker's socket to the notebook
+PARENT_PID_ENV = "DDIPP_PARENT_PID"  # set by the notebook's worker group: the notebook's pid (its workers end with it)
 TIMEOUT_ENV = "DDIPP_TIMEOUT"  # seconds a collective may wait for the other ranks (torch's default if unset)
 GLOO_IFNAME_ENV, NCCL_IFNAME_ENV = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"  # the interface their sockets use
 

@@ -91,7 +91,8 @@ class WorkerGroup:
                    TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
                    PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
                    **{ddist.DEVICES_ENV: "cpu" if cpu else ",".join(d.split(":")[1] for d in self.devices),
-                      ddist.TIMEOUT_ENV: str(self.timeout), ddist.CONNECTION_FD_ENV: str(theirs.fileno())},
+                      ddist.TIMEOUT_ENV: str(self.timeout), ddist.CONNECTION_FD_ENV: str(theirs.fileno()),
+                      ddist.PARENT_PID_ENV: str(os.getpid())},
                    **ddist.loopback_env())
         if "OMP_NUM_THREADS" not in os.environ:  # the notebook's own setting wins
             env["OMP_NUM_THREADS"] = str(ddist.cores_per_rank(len(self.devices)))

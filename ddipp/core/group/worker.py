@@ -15,19 +15,31 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from ..dist import CONNECTION_FD_ENV
+from ..dist import CONNECTION_FD_ENV, PARENT_PID_ENV
 from .wire import receive, send
 
 
 def _exit_with_parent() -> None:
-    """End this process as soon as the process that started it is gone (a killed kernel leaves no worker)."""
-    parent = os.getppid()
+    """End this process as soon as the notebook's process is gone (a killed kernel leaves no worker): at once if it
+    is gone already; by the kernel's signal until this worker has joined the group (joining may wait for the
+    notebook's store holding the GIL); by a watching thread from then on."""
+    parent = int(os.environ[PARENT_PID_ENV])
+    _signal_when_parent_ends(signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
     def watch():
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
     threading.Thread(target=watch, daemon=True, name="ddipp-parent-watch").start()
+
+
+def _signal_when_parent_ends(signum: int) -> None:
+    """Have Linux send `signum` to this process when the thread that started it ends (0: nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # 1: PR_SET_PDEATHSIG
 
 
 class Worker:
@@ -114,6 +126,7 @@ def main() -> None:
     except BaseException as e:
         send(conn, ("error", _pickled_exception(e), traceback.format_exc()))
         raise
+    _signal_when_parent_ends(0)  # joined: the notebook thread that started this worker may end (a fit run in a thread)
     worker.serve()
     from ddipp.core import dist
     dist.teardown()

@@ -2,6 +2,7 @@
 
 Each failure must surface here within seconds, leave the learner with its weights from before the fit,
 leave no process behind, and let the next fit run on a new group."""
+import contextlib
 import gc
 import ipaddress
 import os
@@ -213,6 +214,29 @@ def _wait_for(lines, word, timeout=120):
         line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
         if word in line:
             return line.split(word, 1)[1].split()
+
+
+def test_a_notebook_killed_while_its_workers_start_leaves_none(tmp_path):
+    """Killed between starting its workers and their joining, the notebook leaves them waiting for its store, the
+    wait holding the GIL: its Python watcher never ran, and they stayed for the collective timeout (600 s)."""
+    notebook = ("import sys; import ddipp; from scenario import digits_data, digits_learner; "
+                "digits_learner(digits_data(sys.argv[1], bs=16)).to_ddp(nprocs=2)")
+    proc = subprocess.Popen([sys.executable, "-c", notebook, str(tmp_path)], stdout=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONPATH=WORKERS))
+    workers = []
+    try:
+        while len(workers) < 2 and proc.poll() is None:
+            workers = psutil.Process(proc.pid).children()  # polling the process table, not synchronising with it
+        proc.kill()
+        proc.wait()
+        assert len(workers) == 2
+        gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert alive == []
+    finally:
+        proc.kill()
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
 
 
 def test_an_interrupt_keeps_what_was_trained_a_stuck_group_is_killed_and_a_killed_notebook_leaves_none(tmp_path):
