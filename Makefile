@@ -43,8 +43,9 @@ $(VENV2)/.installed: setup.py
 gpu-check: $(VENV)/.installed $(VENV2)/.installed
 	$(PY) tools/gpu_check.py --python1 $(PY) --python2 $(PY2)
 
-# the same training under a torch DDP loop (torchrun), fastai v2's own DDP (it needs accelerate) and ddipp on fastai v1
-# and v2, 1 and 2 processes: writes benchmarks/README.md and benchmarks/throughput.png. Not part of `make test`
+# the same training under a torch DDP loop (torchrun), fastai v1's and v2's own DDP (v2's needs accelerate) and ddipp
+# launched and in notebook mode on fastai v1 and v2, 1 and 2 processes: writes benchmarks/README.md and
+# benchmarks/throughput.png. Not part of `make test`
 benchmark: $(VENV)/.installed $(VENV2)/.installed
 	$(PY2) -m pip install --quiet accelerate
 	$(PY) benchmarks/throughput.py

@@ -1,13 +1,20 @@
-"""The same training under a hand-written torch DDP loop (torchrun), fastai v2's own DDP, and ddipp launched with
-fastai v1 and with fastai v2: 1 and 2 CPU processes (gloo, one thread each), a small CNN and a compute-bound variant,
-in interleaved rounds. Writes benchmarks/README.md (a table, and throughput.png) and benchmarks/results/throughput.json.
+"""The same training under a hand-written torch DDP loop (torchrun), fastai v1's and fastai v2's own DDP, and ddipp
+launched and in notebook mode with fastai v1 and v2: 1 and 2 CPU processes (gloo, one thread each), a small CNN and a
+compute-bound variant, in interleaved rounds. Writes benchmarks/README.md (a table, and throughput.png) and
+benchmarks/results/throughput.json.
 
     make benchmark            # from the repository root: sets up both virtualenvs, then runs this with .venv
 
 The task: scikit-learn's digits as 3x32x32 images (the 8x8 pixels repeated), 4314 training items (the 1438 after
 the first 359, three times) and 359 validation items (odd: a split in equal parts must pad or drop); batch 64 per
-process, 2 epochs of Adam at a constant lr 1e-2 without weight decay (torch's in the loop and fastai v1, fastai's in
-v2), rates taken in the second epoch.
+process, 2 epochs of Adam at a constant lr 1e-3 without weight decay (torch's in the loop and fastai v1, fastai's in
+v2), rates taken in the second epoch. One process is the loop or plain fastai of the same version (ddipp's
+`to_ddp()` does nothing in a plain process); ddipp in notebook mode is `to_ddp(nprocs=2)` called in a plain process.
+
+fastai's own DDP needs CUDA where ddipp does not; on CPU: fastai v1's `DistributedTrainer` is given a DDP without
+`device_ids` (it passes `device_ids=[cuda_id]`, which a CPU model refuses) and its process group is started with
+gloo instead of `setup_distrib` (which calls `torch.cuda.set_device`); fastai v2's `DistributedDL._broadcast` gets a
+CPU tensor (it calls `.cuda()`).
 """
 import json
 import os
@@ -20,14 +27,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = {1: ROOT / ".venv" / "bin" / "python", 2: ROOT / ".venv2" / "bin" / "python"}
-BS, EPOCHS, LR, ROUNDS, N_VALID = 64, 2, 1e-2, 3, 359
+BS, EPOCHS, LR, ROUNDS, N_VALID = 64, 2, 1e-3, 3, 359
 WIDTHS = {"small": (16, 32, 64), "compute-bound": (32, 64, 128)}  # 4x the multiply-adds, 4x the gradient
-RUNNERS = {  # name: (fastai version of its virtualenv, how 2 processes start)
-    "torch DDP loop": (1, "torchrun"),
-    "fastai v2 distrib_ctx": (2, "ddipp.launch"),
-    "ddipp, fastai v1": (1, "ddipp.launch"),
-    "ddipp, fastai v2": (2, "ddipp.launch"),
+RUNNERS = {  # name: (fastai version of its virtualenv, how 2 processes start, the runner of its 1 process)
+    "torch DDP loop": (1, "torchrun", "torch DDP loop"),
+    "fastai v1 DistributedTrainer": (1, "torchrun", "fastai v1"),
+    "ddipp launched, fastai v1": (1, "ddipp.launch", "fastai v1"),
+    "ddipp notebook, fastai v1": (1, "notebook", "fastai v1"),
+    "fastai v2 distrib_ctx": (2, "torchrun", "fastai v2"),
+    "ddipp launched, fastai v2": (2, "ddipp.launch", "fastai v2"),
+    "ddipp notebook, fastai v2": (2, "notebook", "fastai v2"),
 }
+SINGLE = {"torch DDP loop": 1, "fastai v1": 1, "fastai v2": 2}  # the 1-process runners: fastai version
 
 
 def digits():
@@ -73,8 +84,14 @@ class Probe:
                     valid_items=self.valid_items // EPOCHS, accuracy=accuracy,
                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
+    def write(self, out: Path, accuracy: float) -> None:
+        """This process's results file in `out`, named by its rank."""
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        (out / f"rank{rank}.json").write_text(json.dumps(self.result(accuracy)))
 
-def torch_loop(widths) -> dict:
+
+def torch_loop(widths, out: Path) -> None:
     """The loop a user writes from PyTorch's DDP tutorial: DistributedSampler, DDP, an all-reduced accuracy."""
     import torch
     import torch.distributed as dist
@@ -112,11 +129,12 @@ def torch_loop(widths) -> dict:
                 correct += torch.tensor([float((net(x).argmax(1) == y).sum()), float(len(y))])
         if launched:
             dist.all_reduce(correct)
-    return probe.result(float(correct[0] / correct[1]))
+    probe.write(out, float(correct[0] / correct[1]))
 
 
-def fastai_learner(version: int, widths, world: int):
-    """A fastai Learner of the task (batch BS a process) with a Probe callback; (learner, probe)."""
+def fastai_learner(version: int, widths, out: Path):
+    """A fastai Learner of the task (batch BS a process) whose callback writes what its Probe measured when the fit
+    ends, on whichever process the fit runs."""
     import torch
     from torch import nn
     (xt, yt), (xv, yv) = digits()
@@ -138,8 +156,11 @@ def fastai_learner(version: int, widths, world: int):
             def on_batch_end(self, train, last_target, **kwargs):
                 if train:
                     probe.step_done(self.epoch, len(last_target), self.started)
+
+            def on_train_end(self, **kwargs):
+                probe.write(out, float(self.learn.recorder.metrics[-1][0]))
         learn.callbacks.append(Timing(learn))
-        return learn, probe
+        return learn
     from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
@@ -157,28 +178,44 @@ def fastai_learner(version: int, widths, world: int):
         def after_batch(self):
             if self.training:
                 probe.step_done(self.epoch, len(self.yb[0]), self.started)
+
+        def after_fit(self):
+            probe.write(out, float(self.learn.recorder.values[-1][2]))
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), metrics=accuracy, cbs=Timing(),
                     opt_func=Adam, wd=0)
     torch.manual_seed(0)
-    return learn, probe
+    return learn
 
 
-def fastai_run(runner: str, widths) -> dict:
-    version = RUNNERS[runner][0]
+def fastai_run(runner: str, widths, out: Path) -> None:
+    """`runner`'s fit of the task; each process that trains writes its results file."""
+    version = RUNNERS[runner][0] if runner in RUNNERS else SINGLE[runner]
     if runner.startswith("ddipp"):
         import ddipp  # noqa: F401 (Learner.to_ddp)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    learn, probe = fastai_learner(version, widths, world)
-    if runner == "fastai v2 distrib_ctx" and world > 1:
+    learn = fastai_learner(version, widths, out)
+    if runner == "fastai v1 DistributedTrainer":
+        import torch.distributed as dist
+        import fastai.distributed
+        dist.init_process_group("gloo")
+        fastai.distributed.DistributedDataParallel = _ddp_on_cpu
+        learn.to_distributed(int(os.environ["LOCAL_RANK"]))
+    if runner == "fastai v2 distrib_ctx":
         import fastai.distributed
         fastai.distributed.DistributedDL._broadcast = _broadcast_on_cpu
         with learn.distrib_ctx(sync_bn=False, cpu=True):
             learn.fit(EPOCHS, LR)
-    else:
-        learn = learn.to_ddp() if runner.startswith("ddipp") else learn
-        learn.fit(EPOCHS, LR)
-    values = learn.recorder.metrics[-1] if version == 1 else learn.recorder.values[-1][2:]
-    return probe.result(float(values[0]))
+        return
+    if runner.startswith("ddipp launched"):
+        learn = learn.to_ddp()
+    if runner.startswith("ddipp notebook"):
+        learn = learn.to_ddp(nprocs=2)
+    learn.fit(EPOCHS, LR)
+
+
+def _ddp_on_cpu(module, device_ids, output_device):
+    """torch's DDP as fastai v1's DistributedTrainer makes it, minus the CUDA device a CPU model refuses."""
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(module)
 
 
 def _broadcast_on_cpu(self, t, rank):
@@ -190,10 +227,10 @@ def _broadcast_on_cpu(self, t, rank):
 
 
 def run_one(runner: str, workload: str, procs: int, out: Path) -> dict:
-    """Start the runner on `procs` processes; what each rank measured (its results file), with the start time."""
-    version, launcher = RUNNERS[runner]
+    """Start `runner` (2 processes) or a SINGLE runner (1); what each process measured, with the start time."""
+    version, launcher, _ = RUNNERS[runner] if procs > 1 else (SINGLE[runner], None, None)
     cmd = [str(VENV[version])]
-    if procs > 1:
+    if launcher in ("torchrun", "ddipp.launch"):
         cmd += (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
                 if launcher == "torchrun" else ["-m", "ddipp.launch", "--nproc", str(procs)])
     cmd += [__file__, "--rank-of", runner, workload, str(out)]
@@ -219,15 +256,15 @@ def summary(run: dict) -> dict:
 
 
 def measure(out: Path) -> dict:
-    """ROUNDS interleaved rounds of every runner, workload and process count: {key: [summary per round]}."""
+    """ROUNDS interleaved rounds of every runner on 2 processes and every SINGLE runner, for each workload:
+    {"runner|workload|processes": [summary per round]}."""
     runs = {}
     for _ in range(ROUNDS):
         for workload in WIDTHS:
-            for runner in RUNNERS:
-                for procs in (1, 2):
-                    key = f"{runner}|{workload}|{procs}"
-                    runs.setdefault(key, []).append(summary(run_one(runner, workload, procs, out)))
-                    print(key, runs[key][-1], flush=True)
+            for runner, procs in [(r, 1) for r in SINGLE] + [(r, 2) for r in RUNNERS]:
+                key = f"{runner}|{workload}|{procs}"
+                runs.setdefault(key, []).append(summary(run_one(runner, workload, procs, out)))
+                print(key, runs[key][-1], flush=True)
     return runs
 
 
@@ -236,17 +273,24 @@ def median(runs: list, name: str) -> float:
 
 
 def table(runs: dict) -> str:
-    rows = ["| workload | runner | samples/s, 1 process | samples/s, 2 processes (range) | scaling efficiency | "
-            "call → first step, 2 processes | peak RSS per rank, 1 / 2 processes (MB) | validation items counted "
-            "(set: 359) | final accuracy, 2 processes |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| workload | runner | samples/s (range) | vs torch loop | scaling efficiency | "
+            "call → first step | peak RSS per rank (MB) | validation items counted (set: 359) | final accuracy |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for workload in WIDTHS:
-        for runner in RUNNERS:
-            one, two = runs[f"{runner}|{workload}|1"], runs[f"{runner}|{workload}|2"]
+        loop = median(runs[f"torch DDP loop|{workload}|2"], "samples_per_s")
+        for runner in SINGLE:
+            one = runs[f"{runner}|{workload}|1"]
+            rates = sorted(r["samples_per_s"] for r in one)
+            rows.append(f"| {workload} | {runner}, 1 process | {median(one, 'samples_per_s'):.0f} "
+                        f"({rates[0]:.0f}–{rates[-1]:.0f}) | | | "
+                        f"{median(one, 'to_first_step_s'):.1f} s | {median(one, 'peak_rss_mb'):.0f} | "
+                        f"{one[0]['valid_items']} | {median(one, 'accuracy'):.4f} |")
+        for runner, (_, _, single) in RUNNERS.items():
+            one, two = runs[f"{single}|{workload}|1"], runs[f"{runner}|{workload}|2"]
             rates = sorted(r["samples_per_s"] for r in two)
-            rows.append(f"| {workload} | {runner} | {median(one, 'samples_per_s'):.0f} | {rates[len(rates) // 2]:.0f} "
-                        f"({rates[0]:.0f}–{rates[-1]:.0f}) | "
-                        f"{median(two, 'samples_per_s') / (2 * median(one, 'samples_per_s')):.2f} | "
-                        f"{median(two, 'to_first_step_s'):.1f} s | {median(one, 'peak_rss_mb'):.0f} / "
+            rate = median(two, "samples_per_s")
+            rows.append(f"| {workload} | {runner} | {rate:.0f} ({rates[0]:.0f}–{rates[-1]:.0f}) | {rate / loop:.2f} | "
+                        f"{rate / (2 * median(one, 'samples_per_s')):.2f} | {median(two, 'to_first_step_s'):.1f} s | "
                         f"{median(two, 'peak_rss_mb'):.0f} | {two[0]['valid_items']} | {median(two, 'accuracy'):.4f} |")
     return "\n".join(rows)
 
@@ -263,16 +307,13 @@ def plot(runs: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(WIDTHS), figsize=(11, 4))
+    fig, axes = plt.subplots(1, len(WIDTHS), figsize=(12, 4.5))
+    bars = [(f"{r}, 1 process", r, 1) for r in SINGLE] + [(r, r, 2) for r in RUNNERS]
     for ax, workload in zip(axes, WIDTHS):
-        names = list(RUNNERS)
-        for i, procs in enumerate((1, 2)):
-            ax.bar([j + 0.4 * i for j in range(len(names))],
-                   [median(runs[f"{n}|{workload}|{procs}"], "samples_per_s") for n in names], 0.4,
-                   label=f"{procs} process{'es' if procs > 1 else ''}")
-        ax.set_xticks([j + 0.2 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)
+        ax.bar(range(len(bars)), [median(runs[f"{r}|{workload}|{p}"], "samples_per_s") for _, r, p in bars],
+               color=["tab:gray" if p == 1 else "tab:blue" for _, _, p in bars])
+        ax.set_xticks(range(len(bars)), [name for name, _, _ in bars], rotation=35, ha="right", fontsize=7)
         ax.set_title(f"{workload} CNN: samples/s (median of {ROUNDS})")
-        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -291,12 +332,13 @@ def main() -> None:
 
 ## Throughput: `make benchmark` (benchmarks/throughput.py)
 
-{__doc__.split(chr(10) + chr(10))[0].strip()}
+{chr(10).join(p.strip() for i, p in enumerate(__doc__.split(chr(10) + chr(10))) if i != 1)}
 
-Machine: {cores} CPU cores, no GPU; {ROUNDS} interleaved rounds, medians (the range of the 2-process rates in
-brackets). Scaling efficiency: samples/s of 2 processes over twice that of 1. Call → first step: from starting the
-command to the first training step of any rank (interpreter, imports, group, data). Peak RSS: the largest rank's.
-Validation items counted: the items the models' forward passes evaluated in the last validation, all ranks together.
+Machine: {cores} CPU cores, no GPU; {ROUNDS} interleaved rounds, medians (the range of the rates in brackets). vs torch loop: samples/s over the torch loop's on 2 processes. Scaling efficiency: samples/s of 2 processes
+over twice that of the 1-process row of its kind (the loop, or plain fastai of its version). Call → first step: from
+starting the command to the first training step of any rank (interpreter, imports, group or workers, data). Peak RSS:
+the largest rank's (for notebook mode, a worker's). Validation items counted: the items the models' forward passes
+evaluated in the last validation, all ranks together.
 
 {table(runs)}
 {_crashes(runs)}
@@ -310,8 +352,9 @@ if __name__ == "__main__":
         runner, workload, out = sys.argv[2], sys.argv[3], Path(sys.argv[4])
         import torch
         torch.set_num_threads(1)
-        widths = WIDTHS[workload]
-        got = torch_loop(widths) if runner == "torch DDP loop" else fastai_run(runner, widths)
-        (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps(got))
+        if runner == "torch DDP loop":
+            torch_loop(WIDTHS[workload], out)
+        else:
+            fastai_run(runner, WIDTHS[workload], out)
     else:
         main()

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny data sets made on the spot (no downloads), a one-thread torch, and the scenario
 (tests/workers/scenario.py) played once launched on 2 ranks and once in one process, for every module."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -49,6 +50,25 @@ def launch_2_ranks(script: Path, out: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "120", str(script),
                            str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+@contextlib.contextmanager
+def launched_beside(args: list, out: Path, **env: str):
+    """`python -m ddipp.launch --nproc 2 *args` started in the background (its stderr to OUT/stderr.txt, `env` set),
+    for the test to wait on; stopped on leaving if it was not waited for (a selection of tests, a failure)."""
+    with open(out / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ddipp.launch", "--nproc", "2", *map(str, args)],
+                                env=dict(os.environ, **env), stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:  # the launcher stops its ranks
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def run_notebook(path: Path, folder: Path, **env: str) -> tuple:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ddipp
+from conftest import launched_beside
 from scenario import close
 
 WORKERS = Path(__file__).parent / "workers"
@@ -32,20 +33,8 @@ def launch(tmp_path_factory):
     """The launched run of workers/apps_worker.py on 2 ranks, started (it runs beside the reference: the ranks' waits
     in their collectives and imports leave CPU to it), and its folder."""
     out = tmp_path_factory.mktemp("apps_ddp")
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    with open(out / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "ddipp.launch", "--nproc", "2", str(WORKERS / "apps_worker.py"),
-                                 str(out)], env=env, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with launched_beside([WORKERS / "apps_worker.py", out], out, PYTHONWARNINGS="ignore") as proc:
         yield proc, out
-    finally:
-        if proc.poll() is None:  # not waited for (a selection of tests, a failure): the launcher stops its ranks
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ process's computation on the same weights); the samplers' orders and batches ite
 import contextlib
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 import ddipp
 from ddipp.fastai2.loaders import ShardedEvalDL, ShardedTrainDL
+from conftest import launched_beside
 from digits import digits_folder  # examples/ is on sys.path (tests/conftest.py)
 
 WORKERS = Path(__file__).parent / "workers"
@@ -47,23 +47,10 @@ def digits(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory, digits):
-    """The launched run of workers/apps_worker.py on 2 ranks, started (it runs beside the reference: the ranks' waits
-    in their collectives leave the CPU to it) and its folder."""
+    """The launched run of workers/apps_worker.py on 2 ranks, started, and its folder."""
     out = tmp_path_factory.mktemp("apps_launched")
-    with open(out / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "120",
-                                 str(WORKERS / "apps_worker.py"), str(out), str(digits)],
-                                stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with launched_beside(["--timeout", "120", WORKERS / "apps_worker.py", out, digits], out) as proc:
         yield proc, out
-    finally:
-        if proc.poll() is None:  # not waited for (a selection of tests, a failure): the launcher stops its ranks
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
