@@ -310,10 +310,12 @@ def plot(runs: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(WIDTHS), figsize=(12, 4.5))
     bars = [(f"{r}, 1 process", r, 1) for r in SINGLE] + [(r, r, 2) for r in RUNNERS]
     for ax, workload in zip(axes, WIDTHS):
-        ax.bar(range(len(bars)), [median(runs[f"{r}|{workload}|{p}"], "samples_per_s") for _, r, p in bars],
-               color=["tab:gray" if p == 1 else "tab:blue" for _, _, p in bars])
+        rates = [sorted(r["samples_per_s"] for r in runs[f"{r}|{workload}|{p}"]) for _, r, p in bars]
+        mid = [statistics.median(rs) for rs in rates]
+        ax.bar(range(len(bars)), mid, color=["tab:gray" if p == 1 else "tab:blue" for _, _, p in bars],
+               yerr=[[m - rs[0] for m, rs in zip(mid, rates)], [rs[-1] - m for m, rs in zip(mid, rates)]], capsize=3)
         ax.set_xticks(range(len(bars)), [name for name, _, _ in bars], rotation=35, ha="right", fontsize=7)
-        ax.set_title(f"{workload} CNN: samples/s (median of {ROUNDS})")
+        ax.set_title(f"{workload} CNN: samples/s (median and range of {ROUNDS})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
