@@ -272,6 +272,12 @@ def median(runs: list, name: str) -> float:
     return statistics.median(r[name] for r in runs)
 
 
+def rates(runs: list) -> tuple:
+    """The samples/s of `runs`: median, lowest, highest."""
+    got = sorted(r["samples_per_s"] for r in runs)
+    return statistics.median(got), got[0], got[-1]
+
+
 def table(runs: dict) -> str:
     rows = ["| workload | runner | samples/s (range) | vs torch loop | scaling efficiency | "
             "call → first step | peak RSS per rank (MB) | validation items counted (set: 359) | final accuracy |",
@@ -280,16 +286,14 @@ def table(runs: dict) -> str:
         loop = median(runs[f"torch DDP loop|{workload}|2"], "samples_per_s")
         for runner in SINGLE:
             one = runs[f"{runner}|{workload}|1"]
-            rates = sorted(r["samples_per_s"] for r in one)
-            rows.append(f"| {workload} | {runner}, 1 process | {median(one, 'samples_per_s'):.0f} "
-                        f"({rates[0]:.0f}–{rates[-1]:.0f}) | | | "
+            rate, low, high = rates(one)
+            rows.append(f"| {workload} | {runner}, 1 process | {rate:.0f} ({low:.0f}–{high:.0f}) | | | "
                         f"{median(one, 'to_first_step_s'):.1f} s | {median(one, 'peak_rss_mb'):.0f} | "
                         f"{one[0]['valid_items']} | {median(one, 'accuracy'):.4f} |")
         for runner, (_, _, single) in RUNNERS.items():
             one, two = runs[f"{single}|{workload}|1"], runs[f"{runner}|{workload}|2"]
-            rates = sorted(r["samples_per_s"] for r in two)
-            rate = median(two, "samples_per_s")
-            rows.append(f"| {workload} | {runner} | {rate:.0f} ({rates[0]:.0f}–{rates[-1]:.0f}) | {rate / loop:.2f} | "
+            rate, low, high = rates(two)
+            rows.append(f"| {workload} | {runner} | {rate:.0f} ({low:.0f}–{high:.0f}) | {rate / loop:.2f} | "
                         f"{rate / (2 * median(one, 'samples_per_s')):.2f} | {median(two, 'to_first_step_s'):.1f} s | "
                         f"{median(two, 'peak_rss_mb'):.0f} | {two[0]['valid_items']} | {median(two, 'accuracy'):.4f} |")
     return "\n".join(rows)
@@ -310,10 +314,9 @@ def plot(runs: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(WIDTHS), figsize=(12, 4.5))
     bars = [(f"{r}, 1 process", r, 1) for r in SINGLE] + [(r, r, 2) for r in RUNNERS]
     for ax, workload in zip(axes, WIDTHS):
-        rates = [sorted(r["samples_per_s"] for r in runs[f"{r}|{workload}|{p}"]) for _, r, p in bars]
-        mid = [statistics.median(rs) for rs in rates]
-        ax.bar(range(len(bars)), mid, color=["tab:gray" if p == 1 else "tab:blue" for _, _, p in bars],
-               yerr=[[m - rs[0] for m, rs in zip(mid, rates)], [rs[-1] - m for m, rs in zip(mid, rates)]], capsize=3)
+        got = [rates(runs[f"{r}|{workload}|{p}"]) for _, r, p in bars]
+        ax.bar(range(len(bars)), [m for m, _, _ in got],
+               color=["tab:gray" if p == 1 else "tab:blue" for _, _, p in bars], yerr=[[m - low for m, low, _ in got], [high - m for m, _, high in got]], capsize=3)
         ax.set_xticks(range(len(bars)), [name for name, _, _ in bars], rotation=35, ha="right", fontsize=7)
         ax.set_title(f"{workload} CNN: samples/s (median and range of {ROUNDS})")
     fig.tight_layout()
