@@ -14,7 +14,8 @@ from .progress import ProgressMirror
 def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = None, callbacks: Any = None) -> None:
     """`Learner.fit` on the worker group: same arguments, and afterwards the learner a local fit would leave."""
     group = group_of(learn)
-    call = fit_call(learn, group.held, epochs, lr, wd, listify(callbacks))
+    callbacks = listify(callbacks)
+    call = fit_call(learn, group.held, epochs, lr, wd, callbacks)
     mirror = ProgressMirror()
     try:
         results, interrupted = group.fit(learn.data, call, learn.ddp.options, mirror)
@@ -23,6 +24,6 @@ def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = N
         if not hasattr(learn, "recorder"):  # as after a local fit that failed: an empty recorder
             learn.callback_fns[0](learn)
         raise
-    apply_results(learn, results, mirror.bar)
+    apply_results(learn, results, mirror.bar, callbacks)
     if interrupted:  # as Ctrl-C in a local fit: it stops, keeps what was trained, and the caller sees the interrupt
         raise KeyboardInterrupt

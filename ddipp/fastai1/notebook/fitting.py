@@ -2,7 +2,8 @@
 
 The notebook's learner travels with everything but its data (which the workers already keep); the fit runs
 with ddipp's callbacks as in a launched script; rank 0 sends back what a local fit would have changed on the
-learner: weights, optimizer state, and the callbacks it attached (the recorder among them).
+learner: weights, optimizer state, the callbacks it attached (the recorder among them), and the state of the callbacks
+given to the fit, put back on the caller's own objects.
 """
 import copy
 import sys
@@ -55,26 +56,32 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, s
             learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks)
     except ddist.StopRequested:
         pass
-    return None if send is None else results(learn), held.keep(state_tensors(learn))
+    return None if send is None else results(learn, request["callbacks"]), held.keep(state_tensors(learn))
 
 
-def results(learn: Learner) -> List[bytes]:
+def results(learn: Learner, fit_callbacks: list) -> List[bytes]:
     """What a fit changed on the learner, in parts that come back one after the other: the weights and optimizer
-    state first, on their own; then the callbacks, together, or (if that fails) each alone and without what of it
-    cannot be pickled (a CSVLogger keeps its closed file): an unpicklable attribute never costs the weights."""
-    objects = learner_objects(learn)
+    state first, on their own; then the callbacks (of the `fit_callbacks`, given to the fit, their state), together,
+    or (if that fails) each alone and without what of it cannot be pickled (a CSVLogger keeps its closed file): an
+    unpicklable attribute never costs the weights."""
+    objects = {**learner_objects(learn), **fit_callback_objects(fit_callbacks)}
     parts = [dumps(dict(state=learn.model.state_dict(), opt=learn.opt), objects=objects)]
     objects["opt"] = learn.opt  # the callbacks (the recorder) hold the same optimizer: a reference to the first part's
-    callbacks = dict(callbacks=learn.callbacks, attrs=_attached_callbacks(learn))
+    callbacks = dict(callbacks=learn.callbacks, attrs=_attached_callbacks(learn),
+                     fit=[vars(cb) for cb in fit_callbacks])
     try:
         return parts + [dumps(callbacks, objects=objects)]
     except Exception:
         pass
     notes = []
     for group, items in callbacks.items():
-        for key, callback in (enumerate(items) if group == "callbacks" else items.items()):
-            path = f"learn.callbacks[{key}]" if group == "callbacks" else f"learn.{key}"
-            parts.append(dumps((group, key, _travelling(callback, path, objects, notes)), objects=objects))
+        for key, item in (items.items() if group == "attrs" else enumerate(items)):
+            if group == "fit":
+                item = _travelling_state(item, f"callbacks[{key}] of the fit", objects, notes)
+            else:
+                path = f"learn.callbacks[{key}]" if group == "callbacks" else f"learn.{key}"
+                item = _travelling(item, path, objects, notes)
+            parts.append(dumps((group, key, item), objects=objects))
     return parts + [dumps(("notes", notes))]
 
 
@@ -99,15 +106,31 @@ def _travelling(callback: Callback, path: str, objects: dict, notes: list) -> Op
     return stripped
 
 
+def _travelling_state(state: dict, path: str, objects: dict, notes: list) -> dict:
+    """A callback's `state` with None for what of it cannot be pickled; `notes` says what."""
+    state, dropped = without_unpicklable(state, objects)
+    if dropped:
+        notes.append(f"{path} came back with {', '.join(dropped)} set to None: "
+                     f"{'it' if len(dropped) == 1 else 'they'} cannot be pickled")
+    return state
+
+
+def fit_callback_objects(fit_callbacks: list) -> dict:
+    """The callbacks given to a fit, by the names both sides use for them: a reference to one comes back as the
+    caller's own."""
+    return {("fit_callback", i): cb for i, cb in enumerate(fit_callbacks)}
+
+
 def _attached_callbacks(learn: Learner) -> dict:
     """The callbacks a fit left as attributes of the learner (learn.recorder, ...), ddipp's own excepted."""
     return {name: value for name, value in vars(learn).items()
             if isinstance(value, Callback) and not type(value).__module__.startswith("ddipp.")}
 
 
-def apply_results(learn: Learner, parts: List[bytes], bar: Any) -> None:
-    """The notebook's half again: leave `learn` as the fit on rank 0 left its copy."""
-    objects = {**learner_objects(learn), "bar": bar}
+def apply_results(learn: Learner, parts: List[bytes], bar: Any, fit_callbacks: list) -> None:
+    """The notebook's half again: leave `learn` and the callbacks given to the fit as the fit on rank 0 left its
+    copies."""
+    objects = {**learner_objects(learn), **fit_callback_objects(fit_callbacks), "bar": bar}
     got = loads(parts[0], objects, learn.data.device)
     learn.model.load_state_dict(got["state"])
     learn.opt = got["opt"]
@@ -116,12 +139,15 @@ def apply_results(learn: Learner, parts: List[bytes], bar: Any) -> None:
     got = [loads(part, objects, learn.data.device) for part in parts[1:]]
     if len(got) == 1:
         learn.callbacks = got[0]["callbacks"]
-        attrs = got[0]["attrs"]
+        attrs, states = got[0]["attrs"], got[0]["fit"]
     else:
         *each, (_, notes) = got
         learn.callbacks = [cb for group, _, cb in each if group == "callbacks" and cb is not None]
         attrs = {key: cb for group, key, cb in each if group == "attrs" and cb is not None}
+        states = [state for group, _, state in each if group == "fit"]
         for note in notes:
             print(f"ddipp: {note}", file=sys.stderr)
     for name, callback in attrs.items():
         setattr(learn, name, callback)
+    for callback, state in zip(fit_callbacks, states):
+        vars(callback).update(state)

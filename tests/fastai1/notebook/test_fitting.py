@@ -1,6 +1,7 @@
 """Notebook mode: a learner bound with to_ddp(nprocs=2) in this plain process fits on a worker group and
 gets back what a launched run and one process (the `ranks` and `reference` fixtures) get."""
 import re
+import threading
 from functools import partial
 
 import numpy as np
@@ -8,6 +9,8 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from fastai.basic_train import LearnerCallback
+from fastai.callback import Callback
 from fastai.callbacks import (CSVLogger, EarlyStoppingCallback, LossMetrics, OverSamplingCallback,
                               ReduceLROnPlateauCallback, SaveModelCallback, TerminateOnNaNCallback)
 from fastai.train import AccumulateScheduler, BnFreeze, GradientClipping, ShowGraph
@@ -253,6 +256,51 @@ def test_binding_says_the_global_batch_once(tmp_path, capsys):
                      "with bs=16); scale the learning rate or the batch size") == 1
     learn.to_ddp(nprocs=2)  # a new binding says it again
     assert capsys.readouterr().out.count("ddipp: global batch 32") == 1
+
+
+class StepCounter(Callback):
+    """Counts the optimizer steps of the fits it is given to."""
+
+    def __init__(self):
+        self.n = 0
+
+    def on_step_end(self, **kwargs):
+        self.n += 1
+
+
+class LearnerStepCounter(LearnerCallback):
+    """A StepCounter that is also `learn.learner_step_counter`, as fastai's LearnerCallbacks are."""
+
+    def __init__(self, learn):
+        super().__init__(learn)
+        self.n = 0
+
+    def on_step_end(self, **kwargs):
+        self.n += 1
+
+
+class LockingStepCounter(StepCounter):
+    """A StepCounter that ends its fit holding what cannot be pickled."""
+
+    def on_train_end(self, **kwargs):
+        self.lock = threading.Lock()
+
+
+def test_a_callback_given_to_one_fit_comes_back_with_what_the_fit_did_to_it(tmp_path, capsys):
+    def counted(learn):
+        counters = [StepCounter(), LearnerStepCounter(learn)]
+        learn.fit(2, 1e-2, callbacks=counters)
+        learn.fit(1, 1e-2, callbacks=counters)  # counts on from where the first fit left it
+        assert learn.learner_step_counter is counters[1] and counters[1].learn is learn
+        locking = LockingStepCounter()
+        learn.fit(1, 1e-2, callbacks=[locking])
+        return counters + [locking]
+    local = counted(digits_learner(digits_data(tmp_path / "one", bs=32)))
+    learn = digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2)
+    remote = counted(learn)
+    assert [c.n for c in remote] == [c.n for c in local] == [3 * 44, 3 * 44, 44]  # 44 steps of 32 (2 ranks x 16)
+    assert remote[2].lock is None and "ddipp: callbacks[0] of the fit came back with lock set to None: it cannot be " \
+        "pickled" in capsys.readouterr().err
 
 
 def test_a_distributed_sweep_in_the_notebook_runs_its_num_it_steps_to_end_lr(tmp_path):
