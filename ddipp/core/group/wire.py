@@ -5,13 +5,14 @@ progress bars) travel as references to the receiver's own; CUDA tensors travel t
 the receiver's device, so no process ever touches another's GPU; parameters travel with their gradients; CPU
 tensors travel as numpy arrays whose bytes go out of band (no copy into the pickle, and equal data pickles to
 equal bytes); a tensor the receiving workers already hold from their last fit travels as its digest (`HeldTensors`);
-the weak references fastai's callbacks keep to their learner survive the trip.
+the weak references fastai's callbacks keep to their learner survive the trip; a closed file travels as None.
 """
 import copyreg
 import hashlib
 import io
 import pickle
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import AbstractSet, Any, Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
@@ -117,6 +118,10 @@ class _Gone:
     pass
 
 
+def _nothing() -> None:
+    """What a closed file becomes on the receiver."""
+
+
 def _weakref_to(obj: Any) -> weakref.ref:
     return weakref.ref(obj) if obj is not None else weakref.ref(_Gone())  # a dead ref stays dead
 
@@ -178,6 +183,8 @@ class _Pickler(cloudpickle.Pickler):
             return _tensor_from_numpy, (obj.detach().numpy(), obj.requires_grad)
         if type(obj) is weakref.ReferenceType:
             return _weakref_to, (obj(),)
+        if isinstance(obj, io.IOBase) and obj.closed:  # holds nothing to send (CSVLogger's file after a fit)
+            return _nothing, ()
         if obj is self.learner:
             return copyreg.__newobj__, (type(obj),), travelling_state(obj)
         state = _delegated_attributes(obj)
@@ -208,20 +215,30 @@ def dumps(obj: Any, objects: Dict[Hashable, Any] = None, learner: Any = None,
 
 
 def unpicklable_path(named: Dict[str, Any], objects: Dict[Hashable, Any]) -> str:
-    """The path (e.g. "learn.callbacks[2].lock") of the innermost part of the `named` objects that `dumps` cannot
-    pickle. Each attribute, item or value is tried alone, with the values of `objects` as references (a callback's
-    weak reference to the learner does not pickle the learner again); the search follows the first that fails."""
-    path, parts = "", list(named.items())
-    for _ in range(100):  # deeper than any learner; a bound on cycles
-        for name, part in parts:
-            try:
-                dumps(part, {key: o for key, o in objects.items() if o is not part})
-            except Exception:
-                path, parts = path + name, _parts(part)
-                break
-        else:
+    """The shortest path (e.g. "learn.csv_logger.lock") to a part of the `named` objects that `dumps` cannot pickle
+    while each of its own parts can: breadth first, each object visited once (no cycle is followed). Each part is tried
+    alone, with the values of `objects` as references (a callback's learner does not pickle the learner again)."""
+    failing = [(name, part) for name, part in named.items() if not _pickles(part, objects)]
+    seen = {id(part): part for _, part in failing}  # the objects kept alive, so that no id is reused
+    queue = deque(failing)
+    while queue:
+        path, obj = queue.popleft()
+        inner = [(name, part) for name, part in _parts(obj) if not _pickles(part, objects)]
+        if not inner:
             return path
-    return path
+        for name, part in inner:
+            if id(part) not in seen:
+                seen[id(part)] = part
+                queue.append((path + name, part))
+    return failing[0][0] if failing else ""
+
+
+def _pickles(part: Any, objects: Dict[Hashable, Any]) -> bool:
+    try:
+        dumps(part, {key: o for key, o in objects.items() if o is not part})
+        return True
+    except Exception:
+        return False
 
 
 def _parts(obj: Any) -> list:
@@ -287,14 +304,12 @@ def fit_request(objects: Dict[Hashable, Any], learner: Any, held: AbstractSet[st
 
 
 def without_unpicklable(state: dict, objects: Dict[Hashable, Any]) -> Tuple[dict, List[str]]:
-    """`state` (an object's attributes) with None for each value `dumps` cannot pickle, and the names of those that
-    held something (a closed file holds nothing to lose)."""
+    """`state` (an object's attributes) with None for each value `dumps` cannot pickle, and the names of those."""
     kept, lost = dict(state), []
     for name, value in state.items():
         try:
             dumps(value, objects)
         except Exception:
             kept[name] = None
-            if not (isinstance(value, io.IOBase) and value.closed):
-                lost.append(name)
+            lost.append(name)
     return kept, lost

@@ -98,7 +98,7 @@ def test_an_unpicklable_attribute_is_named_by_its_path(tmp_path):
     learn.callbacks += [HoldsALock(learn)]
     with pytest.raises(TypeError) as raised:
         fit_call(learn, frozenset(), 1, 1e-2, None, [])
-    assert str(raised.value) == ("ddipp sends the learner to its worker processes, and learn.callbacks[1].lock cannot "
+    assert str(raised.value) == ("ddipp sends the learner to its worker processes, and learn.holds_a_lock.lock cannot "
                                  "be pickled (cannot pickle '_thread.lock' object); set it to None or delete it "
                                  "before the fit, or make its class picklable")
 

@@ -4,6 +4,7 @@ did. Every test fits on the one group the `group` fixture starts (binding anothe
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +84,36 @@ def test_csv_logger_writes_the_local_file_and_read_log_works_after(tmp_path):
     assert close(there[numbers].values.tolist(), here[numbers].values.tolist())
     for learn in (local, notebook):  # fastai leaves the logger chain on the bar's writer; here, the notebook's bar
         assert learn.logger.__self__ is learn.progress and learn.csv_logger.old_logger.__self__ is learn.progress
+
+
+def test_a_fit_after_validate_with_a_csv_logger_trains_as_locally(tmp_path):
+    local, notebook = learners(tmp_path)
+    for learn in (local, notebook):  # validate() reopens and closes the logger's file, which then travels as None
+        learn.add_cb(CSVLogger())
+        learn.fit(1, 1e-2)
+        learn.validate()
+        learn.fit(1, 1e-2)
+    assert_same_fit(notebook, local)
+    here, there = local.csv_logger.read_log(), notebook.csv_logger.read_log()
+    assert len(there) == len(here) == 1  # each fit rewrites the file, as fastai does
+    assert close(there["valid_loss"].tolist(), here["valid_loss"].tolist())
+
+
+def test_an_attribute_that_cannot_travel_is_named_by_its_shortest_path_before_the_fit(tmp_path):
+    _, notebook = learners(tmp_path)
+    notebook.add_cb(CSVLogger())
+    notebook.validate()  # the logger's file is closed: it travels
+    notebook.csv_logger.handle = threading.Lock()
+    started = time.time()
+    with pytest.raises(TypeError) as raised:
+        notebook.fit(1, 1e-2)
+    assert time.time() - started < 2  # no fit started (one takes 1 s here); the search reads each object once
+    assert str(raised.value) == ("ddipp sends the learner to its worker processes, and learn.csv_logger.handle cannot "
+                                 "be pickled (cannot pickle '_thread.lock' object); set it to None or delete it "
+                                 "before the fit, or make its class picklable")
+    del notebook.csv_logger.handle
+    notebook.fit(1, 1e-2)
+    assert len(history(notebook)["values"]) == 1
 
 
 def test_show_graph_draws_each_epochs_graph_on_the_notebooks_bar(tmp_path, monkeypatch):
