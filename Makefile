@@ -6,7 +6,7 @@ VENV2  ?= .venv2
 PY      = $(VENV)/bin/python
 PY2     = $(VENV2)/bin/python
 
-.PHONY: demo test gpu-check benchmark
+.PHONY: demo test gpu-check benchmark fastai-ddp-suite
 
 # DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
 # script as one plain process, so the two accuracies print one under the other: fastai v1, then fastai v2
@@ -49,3 +49,9 @@ gpu-check: $(VENV)/.installed $(VENV2)/.installed
 benchmark: $(VENV)/.installed $(VENV2)/.installed
 	$(PY2) -m pip install --quiet accelerate
 	$(PY) benchmarks/throughput.py
+
+# fastai 1.0.61's training tests under 2-rank DDP, every Learner .to_ddp()-ed, one `python -m ddipp.launch --nproc 2`
+# per test (tools/fastai_ddp_suite.py): prints a table of the tests, each passed only when both ranks passed it; fails
+# if a test failed. About 10 minutes on 2 cores, so not part of `make test`
+fastai-ddp-suite: $(VENV)/.installed
+	$(PY) tools/fastai_suite.py --ddp

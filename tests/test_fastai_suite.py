@@ -33,3 +33,50 @@ def test_two_test_sessions_ending_at_once_both_save_fastais_test_registry(tmp_pa
     for pid in children:
         os.waitpid(pid, 0)
     assert [p.read_text() for p in tmp_path.glob("*.error")] == []
+
+
+def _junit(tmp_path, body: str, rank: int) -> "Path":
+    """The junit file pytest writes for a test `test_x` whose body is `body`, run as rank `rank` (RANK set)."""
+    import subprocess
+    test = tmp_path / "test_x.py"
+    test.write_text(f"import os, pytest\n\ndef test_x():\n    rank = int(os.environ['RANK'])\n    {body}\n")
+    xml = tmp_path / f"result.rank{rank}.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+                    "--junitxml", str(xml), str(test)], env={**os.environ, "RANK": str(rank)}, cwd=tmp_path,
+                   capture_output=True)
+    return xml
+
+
+def _merged(tmp_path, body: str, ranks: int = 2, exit_code: int = 1, log: str = "") -> tuple:
+    import fastai_ddp_suite
+    xmls = [_junit(tmp_path, body, r) for r in range(ranks)]
+    return fastai_ddp_suite.merge([fastai_ddp_suite.rank_outcome(x) for x in xmls], exit_code, log)
+
+
+def test_a_fastai_test_under_ddp_passes_only_when_every_rank_passes_it(tmp_path):
+    assert _merged(tmp_path, "assert rank >= 0", exit_code=0) == ("passed", "")
+
+
+def test_a_fastai_test_failing_on_one_rank_only_is_reported_failed_with_that_ranks_first_error_line(tmp_path):
+    """The launcher's exit status is not trusted: rank 1's junit file alone says the test failed there."""
+    result, detail = _merged(tmp_path, "assert rank == 0, 'only rank 0 has the table\\nsecond line'", exit_code=0)
+    assert (result, detail) == ("failed", "rank 1: AssertionError: only rank 0 has the table")
+
+
+def test_a_fastai_test_skipped_on_every_rank_is_reported_skipped_with_its_reason(tmp_path):
+    assert _merged(tmp_path, "pytest.skip('needs a download')", exit_code=0) == ("skipped", "needs a download")
+
+
+def test_a_rank_that_wrote_no_result_fails_the_test_naming_it_and_the_launchers_last_line(tmp_path):
+    import fastai_ddp_suite
+    ranks = [fastai_ddp_suite.rank_outcome(_junit(tmp_path, "pass", 0)),
+             fastai_ddp_suite.rank_outcome(tmp_path / "result.rank1.xml")]
+    log = "rank 0 output\npython -m ddipp.launch: rank 1 failed (exit code -9)\n\n"
+    assert fastai_ddp_suite.merge(ranks, 1, log) == (
+        "failed", "rank 1 missing; launcher exit 1: python -m ddipp.launch: rank 1 failed (exit code -9)")
+
+
+def test_the_ddp_suites_training_tests_are_named_as_file_and_test_and_none_is_also_left_out():
+    import fastai_ddp_suite
+    assert all(t.startswith("test_") and ".py::test_" in t for t in fastai_ddp_suite.TRAINING)
+    assert not set(fastai_ddp_suite.TRAINING) & set(fastai_ddp_suite.NOT_RUN)

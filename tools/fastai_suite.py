@@ -3,6 +3,7 @@
     python tools/fastai_suite.py                  # `import ddipp` first; fails on a test that is not deselected
     python tools/fastai_suite.py --without-ddipp  # plain fastai: the README's "before" counts
     python tools/fastai_suite.py test_core.py     # some test files only
+    python tools/fastai_suite.py --ddp            # its training tests under 2-rank DDP (tools/fastai_ddp_suite.py)
 
 The source distribution is downloaded once into tmp/fastai_suite/ (never committed). Each test file runs in
 its own pytest process, two at a time, offline and on one thread (tools/fastai_suite_plugin.py): processes
@@ -51,6 +52,9 @@ MODERNISED = [
     ("test_callbacks_csv_logger.py", "(csv_df_notime, recorder_df, check_exact=False, check_less_precise=2)",
      "(csv_df_notime, recorder_df, check_exact=False, check_dtype=False, rtol=5e-3)"),  # and pandas 2 keeps
     # the float32 of the recorder's numpy scalars in a DataFrame, where pandas 1 made float64 as the csv has
+    ("test_tabular_train.py", "train_df = df.iloc[0:800].append(df.iloc[1000:])",
+     "train_df = pd.concat([df.iloc[0:800], df.iloc[1000:]])"),  # DataFrame.append: removed in pandas 2
+    ("test_text_train.py", "df = df_trn.append(df_val)", "df = pd.concat([df_trn, df_val])"),  # the same
     ("test_data_block.py", "def chk(a,b): assert np.array_equal(a,b)",
      "def chk(a,b): assert np.array_equal(np.array(a, dtype=object), np.array(b, dtype=object))"),  # numpy 2's
     # array_equal cannot make arrays of ragged lists (multi-label rows) and returns False
@@ -60,6 +64,8 @@ MODERNISED = [
 def main(argv=None) -> int:
     args = _parse(argv)
     tests = _unpack(_sdist())
+    if args.ddp:
+        return _run_ddp(tests, args.files)
     files = [tests / f for f in args.files] or sorted(tests.glob("test_*.py"))
     missing = [f.name for f in files if not f.exists()]
     if missing:
@@ -72,8 +78,10 @@ def main(argv=None) -> int:
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="*", help="test files of fastai's tests/ (default: all)")
+    parser.add_argument("files", nargs="*", help="test files of fastai's tests/ (default: all); with --ddp, "
+                                                 "training tests as file.py::test (default: all of them)")
     parser.add_argument("--without-ddipp", action="store_true", help="plain fastai, for the before counts")
+    parser.add_argument("--ddp", action="store_true", help="the training tests, one 2-rank launch each")
     parser.add_argument("--jobs", type=int, default=2, help="test files run at once (default 2)")
     return parser.parse_args(argv)
 
@@ -124,6 +132,17 @@ def _set_up(without_ddipp: bool) -> None:
     fastai_suite_plugin.prepare()
     import fastai.collab, fastai.gen_doc.doctest, fastai.tabular, fastai.text, fastai.vision  # noqa: F401,E401
     import pytest  # noqa: F401
+
+
+def _run_ddp(tests: Path, selected: list) -> int:
+    """The training tests under 2-rank DDP, with stand-ins for the data sets they download; `selected`: some only."""
+    import fastai_ddp_data
+    import fastai_ddp_suite
+    scratch = CACHE / "ddp"
+    fastai_ddp_data.make(scratch / "fastai_home")
+    os.environ.update(FASTAI_SUITE_DDIPP="1", FASTAI_HOME=str(scratch / "fastai_home"), HOME=str(scratch / "home"),
+                      XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")))
+    return fastai_ddp_suite.run(tests, scratch, selected)
 
 
 def _run_files(files, jobs: int) -> list:
