@@ -18,7 +18,7 @@ from ddipp.core.dist import parse_gpus
 from ddipp.launch import PROG, Config, _report, config_from_args, parse, store_socket
 
 WORKERS = Path(__file__).parent / "workers"
-ECHO, FAIL = WORKERS / "launch_echo.py", WORKERS / "launch_fail.py"
+ECHO, FAIL, RESTART = WORKERS / "launch_echo.py", WORKERS / "launch_fail.py", WORKERS / "launch_restart.py"
 # fastai's import warns about pkg_resources in every launcher; pytest.ini ignores it the same way
 ENV = dict(os.environ, PYTHONWARNINGS="ignore:pkg_resources is deprecated:UserWarning")
 ENV.pop("OMP_NUM_THREADS", None)  # the launcher must set it itself
@@ -302,6 +302,16 @@ def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_keeps_the_logs(t
     assert f"end of {attempts[-1][1]}:" in stderr
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(FAIL) in " ".join(p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_a_restarted_group_forms_and_one_that_cannot_fails_within_the_timeout_naming_the_absent_rank(tmp_path):
+    rc, stdout, stderr = finish(launch("--nproc", 2, "--max-restarts", 2, "--timeout", 15, RESTART, tmp=tmp_path))
+    assert rc == 0, stderr[-3000:]  # attempt 2 ended well on both ranks
+    assert "attempt 0: rank 0 of 2 sums 3" in stdout  # then rank 1 killed itself
+    assert "ddipp: the group of attempt 1 did not form within 15 s: rank 1 never came to join it" in stderr
+    [waited] = re.findall(r"attempt 1: rank 0 waited ([\d.]+) s to join", stdout)
+    assert float(waited) < 15 + 10
+    assert "attempt 2: rank 0 of 2 sums 3" in stdout  # 1 + 2: rank 1 joined the restarted group
 
 
 def test_a_rank_stopped_while_it_exited_after_raising_is_reported_with_its_traceback(tmp_path, capsys):

@@ -12,10 +12,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
 CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"  # set by the notebook's worker group: a worker's socket to the notebook
 PARENT_PID_ENV = "DDIPP_PARENT_PID"  # set by the notebook's worker group: the notebook's pid (its workers end with it)
+ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torch's elastic agent: 0, then 1, 2, ... each time it restarts
 TIMEOUT_ENV = "DDIPP_TIMEOUT"  # seconds a collective may wait for the other ranks (torch's default if unset)
 GLOO_IFNAME_ENV, NCCL_IFNAME_ENV = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"  # the interface their sockets use
 
@@ -151,7 +153,7 @@ def init() -> bool:
     if dev.type == "cuda":
         options["device_id"] = dev
     if _left is None:
-        dist.init_process_group(backend, init_method="env://", **options)
+        _join(backend, options)
         atexit.register(teardown)
     else:
         store, world_size, times = _left
@@ -159,6 +161,32 @@ def init() -> bool:
         dist.init_process_group(backend, store=dist.PrefixStore(f"ddipp-rejoin{times}", store), rank=rank(),
                                 world_size=world_size, **options)
     return True
+
+
+def _join(backend: str, options: dict) -> None:
+    """Join the launcher's group through its store, under a prefix naming this attempt: torch's static rendezvous
+    (ddipp.launch's) keeps one store for every restart of the group, and a restarted group would otherwise read the
+    keys of the attempt before (dial its dead ranks' addresses, or wait on keys that attempt used up). A group that does
+    not form within the timeout raises an error naming the ranks that never came."""
+    timeout = options.get("timeout", default_pg_timeout)
+    store, me, size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get(ATTEMPT_ENV, "0")
+    store = dist.PrefixStore(f"ddipp-attempt{attempt}", store)
+    store.set(f"came/{me}", "")
+    try:
+        dist.init_process_group(backend, store=store, rank=me, world_size=size, **options)
+    except dist.DistError as e:
+        absent = [rank for rank in range(size) if not store.check([f"came/{rank}"])]
+        if absent:
+            raise RuntimeError(_never_came(attempt, timeout, absent)) from e
+        raise
+
+
+def _never_came(attempt: str, timeout: timedelta, absent: list[int]) -> str:
+    """Why the group of `attempt` did not form: the ranks `absent` never came to join it within `timeout`."""
+    ranks = f"rank{'s' * (len(absent) > 1)} {', '.join(map(str, absent))}"
+    return (f"ddipp: the group of attempt {attempt} did not form within {timeout.total_seconds():g} s: {ranks} never "
+            f"came to join it (still loading, or stuck before it joins; the launcher printed where each rank logs)")
 
 
 _left = None  # after leave(): (the old group's store, its size, how many times this process left)
