@@ -63,6 +63,12 @@ def test_a_fastai_test_failing_on_one_rank_only_is_reported_failed_with_that_ran
     assert (result, detail) == ("failed", "rank 1: AssertionError: only rank 0 has the table")
 
 
+def test_a_fastai_test_failing_on_one_rank_is_reported_with_that_ranks_error_not_the_lost_peer_of_another(tmp_path):
+    """Rank 1 fails its assertion and exits; rank 0's next collective then fails for want of its peer."""
+    body = "assert rank == 0 or False, 'the cause'\n    raise RuntimeError('pair.cc:561] Connection closed by peer')"
+    assert _merged(tmp_path, body) == ("failed", "rank 1: AssertionError: the cause")
+
+
 def test_a_fastai_test_skipped_on_every_rank_is_reported_skipped_with_its_reason(tmp_path):
     assert _merged(tmp_path, "pytest.skip('needs a download')", exit_code=0) == ("skipped", "needs a download")
 

@@ -20,6 +20,8 @@ COLLECTIVE_TIMEOUT_S = 120  # --timeout: a rank left waiting for a failed one gi
 LAUNCH_TIMEOUT_S = 600  # a launch still running then is killed and its test failed
 RANK_SCRIPT = Path(__file__).with_name("fastai_ddp_rank.py")
 DETAIL_CHARS = 120  # of a failure's first line in the table
+# how a rank's collective fails when another rank has exited: a consequence, not the cause
+SECONDARY = ("Connection closed by peer", "Connection reset by peer")
 
 # The tests run, by file, each group with why: tests that build a Learner and fit it (or whose module fixture does),
 # and tests of what a learner does with its files (save/load, export, purge, destroy), which to_ddp() changes.
@@ -119,15 +121,17 @@ def rank_outcome(xml: Path) -> tuple:
 
 def merge(ranks: list, exit_code: int, log: str) -> tuple:
     """A test's (result, detail) from its ranks' outcomes: passed only when every rank passed, skipped when every
-    rank skipped it, else failed with the first failing rank's first error line."""
+    rank skipped it, else failed with the first error line of the first rank that failed on its own (not in a
+    collective whose peer had gone)."""
     outcomes = [o for o, _ in ranks]
     if outcomes == ["passed"] * len(ranks):
         return "passed", ""
     if outcomes == ["skipped"] * len(ranks):
         return "skipped", ranks[0][1]
-    for r, (outcome, message) in enumerate(ranks):
-        if outcome == "failed":
-            return "failed", f"rank {r}: {message}"
+    failed = [r for r, (outcome, _) in enumerate(ranks) if outcome == "failed"]
+    if failed:
+        r = min(failed, key=lambda r: any(s in ranks[r][1] for s in SECONDARY))
+        return "failed", f"rank {r}: {ranks[r][1]}"
     r = outcomes.index("missing") if "missing" in outcomes else next(i for i, o in enumerate(outcomes) if o != "passed")
     last = [line for line in log.splitlines() if line.strip()][-1:] or [""]
     return "failed", f"rank {r} {outcomes[r]}; launcher exit {exit_code}: {last[0].strip()}"
