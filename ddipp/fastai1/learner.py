@@ -9,7 +9,7 @@ from fastai.core import ifnone, listify
 from fastai.torch_core import is_pathlike, rank_distrib
 
 from ..core import dist as ddist
-from ..core.ddp import check_matches_launch, check_options, notebook_devices, say_global_batch
+from ..core.ddp import check_matches_launch, check_options, notebook_devices
 from ..core.files import replacing
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
 from .loaders import lm_eval_loader
@@ -31,12 +31,8 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return learn
-        from ..core.group.binding import bind
-        from .notebook.binding import fit_on_group
-        devices = notebook_devices(gpus, nprocs)
-        bind(learn, devices, timeout, options, fit_on_group)
-        dl = learn.data.train_dl.dl
-        say_global_batch(dl.batch_size or getattr(dl.batch_sampler, "batch_size", None), len(devices))
+        from .notebook.binding import bind
+        bind(learn, notebook_devices(gpus, nprocs), timeout, options)  # and says the global batch
         return learn
     check_matches_launch(gpus, nprocs)
     ddist.init()

@@ -12,7 +12,7 @@ from fastai.torch_core import rank_distrib
 from fastcore.basics import patch
 
 from ..core import dist as ddist
-from ..core.ddp import check_matches_launch, check_options, notebook_devices, say_global_batch
+from ..core.ddp import check_matches_launch, check_options, notebook_devices
 from ..core.files import replacing
 from ..core.group.wire import BINDING_ATTRS
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
@@ -40,7 +40,7 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
         options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
         bind(self, devices, timeout, options, fit_on_group)
         self.save, self.export = AtomicSave(self), AtomicExport(self)  # the exported learner is not bound
-        say_global_batch(self.dls.train.bs, len(devices))
+        self.ddp.say_global_batch(self.dls.train.bs)
         return self
     check_matches_launch(gpus, nprocs)
     ddist.init()

@@ -1,17 +1,26 @@
 """A notebook's learner bound to a worker group: its `learn.fit` runs there, through the adapter's fit function."""
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
+from ..ddp import say_global_batch
 from .group import WorkerGroup, _groups, group_for
 
 
 @dataclass
 class Binding:
-    """Where a bound learner's fits run, and the options of ddipp's callbacks there."""
+    """Where a bound learner's fits run, the options of ddipp's callbacks there, and the per-process batch size whose
+    global batch it said last."""
     devices: Tuple[str, ...]
     timeout: float
     options: dict
+    said_bs: Optional[int] = None
+
+    def say_global_batch(self, bs: Optional[int]) -> None:
+        """Say the global batch that a per-process `bs` makes, unless it is the one this binding said last."""
+        if bs != self.said_bs:
+            say_global_batch(bs, len(self.devices))
+            self.said_bs = bs
 
 
 def bind(learn: Any, devices: Tuple[str, ...], timeout: float, options: dict, fit_on_group: Callable) -> None:
@@ -23,15 +32,19 @@ def bind(learn: Any, devices: Tuple[str, ...], timeout: float, options: dict, fi
     learn.fit = FitOnGroup(learn, fit_on_group)  # what fit_one_cycle, lr_find, fine_tune ... call
 
 
-def unbind(learn: Any) -> None:
-    """Fit `learn` locally again; stop its group if no other learner uses it."""
+def unbind(learn: Any) -> bool:
+    """Fit `learn` locally again; stop its group if no other learner uses it (True if that stopped it)."""
     binding = vars(learn).pop("ddp")
-    vars(learn).pop("fit", None)
+    for name in [name for name, value in vars(learn).items() if isinstance(value, OfBinding)]:
+        delattr(learn, name)
     group = _groups.get(binding.devices)
-    if group is not None:
-        group.learners.pop(id(learn), None)
-        if not group.learners:
-            group.stop()
+    if group is None:
+        return False
+    group.learners.pop(id(learn), None)
+    if group.learners:
+        return False
+    group.stop()
+    return True
 
 
 def group_of(learn: Any) -> WorkerGroup:
@@ -42,11 +55,20 @@ def group_of(learn: Any) -> WorkerGroup:
     return group
 
 
-class FitOnGroup:
-    """`learn.fit` of a bound learner; holds it weakly, so an abandoned learner is freed and leaves its group."""
+class OfBinding:
+    """A method of a bound learner, set on it as an attribute (fastai calls `self.fit`), that unbind takes away; it
+    holds the learner weakly, so an abandoned learner is freed and leaves its group."""
+
+    def __init__(self, learn: Any):
+        self.learn = weakref.ref(learn)
+
+
+class FitOnGroup(OfBinding):
+    """`learn.fit` of a bound learner."""
 
     def __init__(self, learn: Any, fit_on_group: Callable):
-        self.learn, self.fit_on_group = weakref.ref(learn), fit_on_group
+        super().__init__(learn)
+        self.fit_on_group = fit_on_group
 
     def __call__(self, *args, **kwargs) -> None:
         self.fit_on_group(self.learn(), *args, **kwargs)

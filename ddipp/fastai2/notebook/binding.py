@@ -14,6 +14,7 @@ from .shipping import fit_callbacks
 def fit_on_group(learn: Learner, n_epoch: int, lr: Any = None, wd: Any = None, cbs: Any = None,
                  reset_opt: bool = False, start_epoch: int = 0) -> None:
     """`Learner.fit` on the worker group: same arguments, and afterwards the learner a local fit would leave."""
+    learn.ddp.say_global_batch(learn.dls.train.bs)  # again if new learn.dls changed the batch size
     group = group_of(learn)
     callbacks = fit_callbacks(learn, cbs)  # listed before the call is made: both sides list the same
     call = fit_call(learn, group.held, n_epoch, lr, wd, cbs, reset_opt, start_epoch)

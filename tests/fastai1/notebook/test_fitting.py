@@ -16,6 +16,7 @@ from fastai.callbacks import (CSVLogger, EarlyStoppingCallback, LossMetrics, Ove
 from fastai.train import AccumulateScheduler, BnFreeze, GradientClipping, ShowGraph
 from torch import nn
 
+from ddipp.core.group.binding import FitOnGroup
 from ddipp.core.group.group import _groups
 from scenario import (TOL, between_fits, close, digits_data, digits_learner, history, max_diff, params, story,
                       tabular_digits_learner)
@@ -247,15 +248,21 @@ def test_a_callback_that_cannot_work_under_ddp_is_refused_before_the_first_step(
     assert max_diff(params(learn), before) == 0
 
 
-def test_binding_says_the_global_batch_once(tmp_path, capsys):
+def test_the_global_batch_is_said_at_binding_and_again_when_the_batch_size_changes(tmp_path, capsys):
     learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
     learn.fit(1, 1e-2)
     learn.fit(1, 1e-2)
     out = capsys.readouterr().out
     assert out.count("ddipp: global batch 32 = 16 per process x 2 (an epoch takes 1/2 of the steps of one process "
                      "with bs=16); scale the learning rate or the batch size") == 1
+    learn.data = digits_data(tmp_path, bs=8)
+    learn.fit(1, 1e-2)
+    assert capsys.readouterr().out.count("ddipp: global batch 16 = 8 per process x 2 (an epoch takes 1/2") == 1
+    learn.data = digits_data(tmp_path, bs=8)  # another loader, the same batch size: nothing new to say
+    learn.fit(1, 1e-2)
+    assert "ddipp: global batch" not in capsys.readouterr().out
     learn.to_ddp(nprocs=2)  # a new binding says it again
-    assert capsys.readouterr().out.count("ddipp: global batch 32") == 1
+    assert capsys.readouterr().out.count("ddipp: global batch 16") == 1
 
 
 class StepCounter(Callback):
@@ -301,6 +308,40 @@ def test_a_callback_given_to_one_fit_comes_back_with_what_the_fit_did_to_it(tmp_
     assert [c.n for c in remote] == [c.n for c in local] == [3 * 44, 3 * 44, 44]  # 44 steps of 32 (2 ranks x 16)
     assert remote[2].lock is None and "ddipp: callbacks[0] of the fit came back with lock set to None: it cannot be " \
         "pickled" in capsys.readouterr().err
+
+
+def _rebuilt_between_fits(learn):
+    """Fits with fastai's purge and load(purge=True) between them, which rebuild the learner's attributes: whether
+    the learner was bound before each fit after a rebuild, and its weights after each."""
+    learn.fit(1, 1e-2)
+    learn.save("first")
+    bound, weights = [], []
+    for rebuild in (learn.purge, partial(learn.load, "first", purge=True)):
+        rebuild()
+        bound.append(isinstance(vars(learn).get("fit"), FitOnGroup) and "ddp" in vars(learn))
+        learn.fit(1, 1e-2)
+        weights += params(learn)
+    return bound, weights
+
+
+def test_the_binding_survives_purge_and_load_with_purge(tmp_path):
+    bound, remote = _rebuilt_between_fits(digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2))
+    _, local = _rebuilt_between_fits(digits_learner(digits_data(tmp_path / "one", bs=32)))
+    assert bound == [True, True]
+    assert max_diff(remote, local) <= 10 * TOL  # summation order over 3 epochs (1.7e-5 here); a fit in this process
+    # would have trained on steps of 16, not 32
+
+
+def test_destroy_takes_the_learner_off_its_workers_and_says_so(tmp_path, capsys):
+    other = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)  # keeps the workers for the next tests
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    group = _groups[CPU2]
+    learn.destroy()
+    out = capsys.readouterr().out
+    assert "ddipp: the destroyed learner left its workers; they stay for the other learners bound to them" in out
+    assert group.alive and id(learn) not in group.learners and group.learners[id(other)] is other
+    plain = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2).from_ddp()
+    assert not {"ddp", "fit", "purge", "destroy"} & set(vars(plain))  # fastai's own methods again
 
 
 def test_a_distributed_sweep_in_the_notebook_runs_its_num_it_steps_to_end_lr(tmp_path):

@@ -115,6 +115,17 @@ def test_unchanged_data_is_sent_once_and_new_data_again(notebook, tmp_path):
     assert group.last_sent["data"] > 0 and len(learn.recorder.losses) == 10
 
 
+def test_the_global_batch_is_said_again_when_new_loaders_change_the_batch_size(notebook, tmp_path, capsys):
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    assert capsys.readouterr().out.count("ddipp: global batch 32 = 16 per process x 2") == 1
+    learn.dls = digits_dls(bs=8)
+    learn.fit(1, 1e-2)
+    assert capsys.readouterr().out.count("ddipp: global batch 16 = 8 per process x 2 (an epoch takes 1/2") == 1
+    learn.dls = digits_dls(bs=8, n_train=320)  # other loaders, the same batch size: nothing new to say
+    learn.fit(1, 1e-2)
+    assert "ddipp: global batch" not in capsys.readouterr().out
+
+
 def test_a_refit_sends_only_what_changed_and_every_change_is_honoured(notebook, tmp_path):
     learn = wide_digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2)
     sent = changes_between_fits(learn, sent=lambda: _groups[CPU2].last_sent["call"] // 2)  # bytes to each worker
