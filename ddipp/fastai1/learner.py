@@ -1,6 +1,8 @@
 """`Learner.to_ddp` / `Learner.from_ddp`, added the way fastai v1 adds `to_fp16` and `to_distributed`."""
-import weakref
-from functools import partial
+import os
+from contextlib import contextmanager, nullcontext
+from functools import partial, wraps
+from types import MethodType
 from typing import Optional, Sequence
 
 from fastai.basic_train import Learner
@@ -40,44 +42,75 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
         hide_progress_bars()  # also for validate() and get_preds() outside a fit
     from_ddp(learn)
     _lm_eval_loaders(learn.data)
-    learn.save = AtomicSave(learn)  # SaveModelCallback's and lr_find's files survive a crash mid-write
-    learn.validate = RankValidate(learn)  # `if ddipp.is_rank0(): learn.validate()` works
+    for name, method in _METHODS.items():  # save, export and validate as a launched learner needs them
+        setattr(learn, name, MethodType(method, learn))
     learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
                            partial(LRFinderBypassCallback, mode=lr_find_mode), GCCallback]
     return learn
 
 
-class AtomicSave:
-    """`learn.save` of a learner under ddipp: fastai's own save, into a file that replaces the target only once it
-    is whole (fastai writes in place: a crash mid-write would leave neither the old model nor the new)."""
-
-    def __init__(self, learn: Learner):
-        self.learn = weakref.ref(learn)
-
-    def __call__(self, file=None, return_path: bool = False, with_opt: bool = True):
-        learn = self.learn()
-        if not is_pathlike(file) or rank_distrib():  # a stream, or a rank that does not write: fastai's own way
-            return type(learn).save(learn, file, return_path, with_opt)
-        target = learn.path / learn.model_dir / f"{file}.pth"
-        with replacing(target) as f:
-            type(learn).save(learn, f, with_opt=with_opt)
-        return target if return_path else None
+# The methods to_ddp gives a launched learner, each a bound method with fastai's name, signature and docstring.
 
 
-class RankValidate:
-    """`learn.validate` of a learner under ddipp: fastai's own, with its metrics averaged on this rank alone.
+@wraps(Learner.save)
+def _save(self, file=None, return_path: bool = False, with_opt: bool = True):
+    # A file replaces the target only once it is whole (fastai writes in place: a crash mid-write would leave neither
+    # the old model nor the new); rank 0 alone writes it. A buffer is this process's own: it gets the bytes anywhere.
+    if not is_pathlike(file):
+        with _as_rank_0():
+            return type(self).save(self, file, return_path, with_opt)
+    if rank_distrib():
+        return type(self).save(self, file, return_path, with_opt)  # fastai's own: writes nothing here
+    target = self.path / self.model_dir / f"{file}.pth"
+    with replacing(target) as f:
+        type(self).save(self, f, with_opt=with_opt)
+    return target if return_path else None
 
-    Outside a fit every rank validates the whole set, so fastai's per-batch all-reduce of the metrics it wraps in
-    AverageMetric (under WORLD_SIZE > 1) adds nothing and makes validate() a collective that waits for the other
-    ranks. It wraps them here instead, without the all-reduce (metrics that are callbacks, like FBeta, are kept)."""
 
-    def __init__(self, learn: Learner):
-        self.learn = weakref.ref(learn)
+@wraps(Learner.export)
+def _export(self, file="export.pkl", destroy: bool = False):
+    # What a plain learner exports: without ddipp's callbacks (the file loads where ddipp is not installed). A file is
+    # rank 0's to write, as fastai writes it; a buffer is this process's own: it gets the bytes anywhere.
+    callback_fns = self.callback_fns
+    self.callback_fns = _plain_callback_fns(callback_fns)
+    try:
+        with nullcontext() if is_pathlike(file) else _as_rank_0():
+            type(self).export(self, file, destroy)
+    finally:
+        if "callback_fns" in vars(self):  # not destroyed
+            self.callback_fns = callback_fns
 
-    def __call__(self, dl=None, callbacks=None, metrics=None):
-        learn = self.learn()
-        metrics = [_rank_average(m) for m in listify(ifnone(metrics, learn.metrics))]
-        return type(learn).validate(learn, dl, callbacks, metrics)
+
+@wraps(Learner.validate)
+def _validate(self, dl=None, callbacks=None, metrics=None):
+    # Outside a fit every rank validates the whole set, so fastai's per-batch all-reduce of the metrics it wraps in
+    # AverageMetric (under WORLD_SIZE > 1) adds nothing and makes validate() a collective that waits for the other
+    # ranks. They are wrapped here instead, without the all-reduce (metrics that are callbacks, like FBeta, are kept):
+    # `if ddipp.is_rank0(): learn.validate()` works.
+    metrics = [_rank_average(m) for m in listify(ifnone(metrics, self.metrics))]
+    return type(self).validate(self, dl, callbacks, metrics)
+
+
+_METHODS = {"save": _save, "export": _export, "validate": _validate}
+
+
+@contextmanager
+def _as_rank_0():
+    """fastai's save and export write in the block on any rank (they read RANK, and write nothing where it is > 0)."""
+    rank = os.environ.get("RANK")
+    os.environ["RANK"] = "0"
+    try:
+        yield
+    finally:
+        if rank is None:
+            del os.environ["RANK"]
+        else:
+            os.environ["RANK"] = rank
+
+
+def _plain_callback_fns(callback_fns: list) -> list:
+    """`callback_fns` without ddipp's callbacks."""
+    return [f for f in callback_fns if getattr(f, "func", f) not in _DDIPP_CALLBACKS]
 
 
 def _rank_average(metric):
@@ -98,9 +131,9 @@ def _lm_eval_loaders(data) -> None:
 
 def from_ddp(learn: Learner) -> Learner:
     """Back to plain single-process fastai: removes ddipp's callbacks, or the binding to a notebook's workers."""
-    learn.callback_fns = [f for f in learn.callback_fns if getattr(f, "func", f) not in _DDIPP_CALLBACKS]
-    for name, kind in (("save", AtomicSave), ("validate", RankValidate)):
-        if isinstance(vars(learn).get(name), kind):
+    learn.callback_fns = _plain_callback_fns(learn.callback_fns)
+    for name, method in _METHODS.items():
+        if getattr(vars(learn).get(name), "__func__", None) is method:
             delattr(learn, name)
     if "ddp" in vars(learn):
         from ..core.group.binding import unbind

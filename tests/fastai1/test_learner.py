@@ -1,13 +1,20 @@
 """Learner.to_ddp / from_ddp outside and inside a launched process (the launched fits are in test_callbacks,
-the notebook fits in tests/interactive)."""
+the notebook fits in tests/interactive); what a launched learner's save, export and validate are (the `ranks` run)."""
+import io
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import ddipp
 from ddipp import DistributedCallback, GCCallback, LRFinderBypassCallback
 from fastai.basic_data import DataBunch
-from fastai.basic_train import Learner
+from fastai.basic_train import Learner, load_learner
 from torch.utils.data import DataLoader, TensorDataset
+
+from scenario import max_diff, method_facts, params, tabular_digits_learner
 
 
 @pytest.fixture
@@ -104,3 +111,49 @@ def test_a_launched_learners_save_replaces_its_file_only_once_whole(learn, monke
     assert sorted(p.name for p in path.parent.iterdir()) == ["best.pth"]
     learn.from_ddp()
     assert "save" not in vars(learn)
+
+
+def test_a_launched_learners_validate_save_and_export_are_fastais_bound_methods(ranks, learn):
+    plain = {name: method_facts(getattr(learn, name)) for name in ("validate", "save", "export")}
+    assert all(facts["method"] for facts in plain.values())
+    for rank in ranks[0]:
+        assert rank["exported"]["methods"] == plain
+
+
+def test_save_and_export_to_a_buffer_give_every_rank_the_bytes(ranks, tmp_path):
+    (r0, r1), _ = ranks
+    trained = r0["exported"]["trained"]
+    for rank in (r0, r1):
+        learn = tabular_digits_learner(tmp_path)
+        assert len(rank["exported"]["saved"]) and len(rank["exported"]["exported"])
+        learn.load(io.BytesIO(rank["exported"]["saved"].numpy().tobytes()))
+        assert max_diff(params(learn), trained) == 0
+        (tmp_path / "export.pkl").write_bytes(rank["exported"]["exported"].numpy().tobytes())
+        assert max_diff(params(load_learner(tmp_path, "export.pkl")), trained) == 0
+
+
+# An exported learner loaded by plain fastai where ddipp cannot be imported (with torch's full load, which fastai
+# 1.0.61 expects of torch.load); its weights saved to the file named last.
+LOAD_WITHOUT_DDIPP = """
+import sys, torch
+class NoDdipp:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ddipp":
+            raise ModuleNotFoundError(f"No module named {name!r} (ddipp is not installed here)")
+sys.meta_path.insert(0, NoDdipp())
+from fastai.basic_train import load_learner
+folder, name, out = sys.argv[1:]
+learn = load_learner(folder, name)
+assert "ddipp" not in sys.modules
+torch.save([p.detach() for p in learn.model.parameters()], out)
+"""
+
+
+def test_a_launched_export_loads_where_ddipp_is_not_installed(ranks, tmp_path):
+    (r0, _), out = ranks
+    env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_DDIPP, str(out / "work"), "final.pkl",
+                           str(tmp_path / "loaded.pt")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert max_diff(torch.load(tmp_path / "loaded.pt"), r0["exported"]["trained"]) == 0
+

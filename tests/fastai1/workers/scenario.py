@@ -1,5 +1,7 @@
 """One training story, run by the tests in one process (the reference) and by fit_worker.py on 2 ranks."""
 import contextlib
+import inspect
+import io
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -121,10 +123,27 @@ def tabular_digits_learner(path):
 
 
 def exported(learn):
-    """Fit, export, load_learner: the trained and the loaded weights."""
+    """Fit, export, load_learner: the trained and the loaded weights; the bytes of save and export to a buffer; what
+    `validate`, `save` and `export` are (name, docstring, signature)."""
     learn.fit(1, 1e-2)
     learn.export("final.pkl")
-    return dict(trained=params(learn), loaded=params(load_learner(learn.path, "final.pkl")))
+    saved, exported_ = io.BytesIO(), io.BytesIO()
+    learn.save(saved)
+    learn.export(exported_)
+    methods = {name: method_facts(getattr(learn, name)) for name in ("validate", "save", "export")}
+    return dict(trained=params(learn), loaded=params(load_learner(learn.path, "final.pkl")), saved=as_tensor(saved),
+                exported=as_tensor(exported_), methods=methods)
+
+
+def as_tensor(buffer: io.BytesIO) -> torch.Tensor:
+    """The bytes of `buffer` as a uint8 tensor (a weights-only load takes it)."""
+    return torch.tensor(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def method_facts(method) -> dict:
+    """Whether `method` is a bound method, and its name, docstring and signature."""
+    return dict(method=inspect.ismethod(method), name=getattr(method, "__name__", None), doc=method.__doc__,
+                signature=str(inspect.signature(method)))
 
 
 class RaiseAt(LearnerCallback):
