@@ -75,11 +75,32 @@ def wrap(model: nn.Module, undo: ExitStack, sync_bn: bool, find_unused_parameter
     """`model` in DDP on this rank's device, its BatchNorms synced first if `sync_bn` (undone by `undo`).
 
     `find_unused_parameters=None` turns it on for a model with `reset()`: fastai's RNNs (AWD-LSTM) leave some
-    parameters out of some steps."""
+    parameters out of some steps. Parameters with no element (fastai's TabularModel keeps `BatchNorm1d(0)` when
+    it has no continuous column) can never get a gradient: DDP leaves them out of its reduction."""
     if sync_bn:
         undo.callback(convert_sync_bn(model))
+    undo.callback(_ignore_empty_parameters(model))
     resettable = hasattr(model, "reset")
     find_unused = resettable if find_unused_parameters is None else find_unused_parameters
     device = ddist.device()
     return (ResettableDDP if resettable else DistributedDataParallel)(
         model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=find_unused)
+
+
+def _ignore_empty_parameters(model: nn.Module):
+    """Have DDP ignore `model`'s zero-element parameters (besides any it already ignores); returns the undo."""
+    before = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
+    empty = [name for name, p in model.named_parameters() if p.numel() == 0 and name not in (before or ())]
+    if not empty:
+        return lambda: None
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*(before or []), *empty])
+
+    def undo():
+        for name, p in model.named_parameters():
+            if name in empty:
+                del p._ddp_ignored
+        if before is None:
+            del model._ddp_params_and_buffers_to_ignore
+        else:
+            model._ddp_params_and_buffers_to_ignore = before
+    return undo

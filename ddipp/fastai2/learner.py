@@ -1,4 +1,5 @@
 """`Learner.to_ddp` / `Learner.from_ddp` for fastai v2, added with fastcore's @patch (fastai's own extension idiom)."""
+import os
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,15 +72,19 @@ to_ddp, from_ddp = Learner.to_ddp, Learner.from_ddp  # also ddipp.to_ddp(learn, 
 
 
 class AtomicSave:
-    """`learn.save` of a learner under ddipp: fastai's own save (rank 0 writes), into a file that replaces the target
-    only once it is whole (fastai writes in place: a crash mid-write would leave neither the old model nor the new)."""
+    """`learn.save` of a learner under ddipp: fastai's own save (rank 0 writes a file; a buffer gets the bytes on every
+    rank), into a file that replaces the target only once it is whole (fastai writes in place: a crash mid-write would
+    leave neither the old model nor the new)."""
 
     def __init__(self, learn: Learner):
         self.learn = weakref.ref(learn)
 
     def __call__(self, file, **kwargs):
         learn = self.learn()
-        if not isinstance(file, (str, Path)) or rank_distrib():  # a stream, or a rank that does not write
+        if not isinstance(file, (str, Path)):  # a buffer is this process's own: it gets the bytes on every rank
+            with _as_rank_0():
+                return type(learn).save(learn, file, **kwargs)
+        if rank_distrib():  # a rank that does not write
             return type(learn).save(learn, file, **kwargs)
         target = join_path_file(file, learn.path / learn.model_dir, ext=".pth")
         with replacing(target) as f:
@@ -101,6 +106,20 @@ class AtomicExport:
         with _without_ddipp(learn), replacing(learn.path / fname) as f:
             # fastai saves to learn.path/fname: an absolute fname is the temporary file itself (same inode as f)
             type(learn).export(learn, Path(f.name).resolve(), pickle_module, pickle_protocol)
+
+
+@contextmanager
+def _as_rank_0():
+    """fastai's save writes in the block on any rank (it reads RANK, and writes nothing where it is > 0)."""
+    rank = os.environ.get("RANK")
+    os.environ["RANK"] = "0"
+    try:
+        yield
+    finally:
+        if rank is None:
+            del os.environ["RANK"]
+        else:
+            os.environ["RANK"] = rank
 
 
 @contextmanager

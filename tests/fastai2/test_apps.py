@@ -34,8 +34,11 @@ MODES = ("notebook", "launched")
 # untrained model (accuracy lm 0.05, clas 0.25, vision 0.1, tabular 0.5; collab mae 0.9).
 # app: (index in [valid_loss, *metrics], higher is better, |ddipp - one process| at most, ddipp at least/most)
 PARITY = {"lm": (1, True, 0.05, 0.62), "clas": (1, True, 0.05, 0.86), "vision": (1, True, 0.04, 0.90),
-          "tabular": (1, True, 0.03, 0.90), "collab": (1, False, 0.015, 0.34)}
-LOSS = {"lm": 0.2, "clas": 0.15, "vision": 0.12, "tabular": 0.04, "collab": 0.02}  # |ddipp - one process| at most
+          "tabular": (1, True, 0.03, 0.90), "collab": (1, False, 0.015, 0.34), "tabular_cat": (1, True, 0.04, 0.62)}
+LOSS = {"lm": 0.2, "clas": 0.15, "vision": 0.12, "tabular": 0.04, "collab": 0.02,
+        "tabular_cat": 0.03}  # |ddipp - one process| at most
+# tabular_cat (the categorical columns alone, trained with to_ddp's default options), one process, 4 seeds: accuracy
+# 0.648-0.675, valid loss 0.623-0.636; the majority class: 0.5.
 EXACT = 1e-4  # numbers recomputed from the same weights: float32 sums in another order
 
 
@@ -113,6 +116,12 @@ def test_two_processes_reach_what_one_process_reaches_with_the_global_batch(runs
 def test_the_fits_validation_is_one_processs_on_the_same_weights(runs, app):
     res = runs[app]
     assert all(abs(a - b) <= EXACT * max(1.0, abs(b)) for a, b in zip(res["final"], res["validated"])), res
+
+
+def test_save_to_a_buffer_gives_every_launched_rank_the_bytes_of_its_weights(ranks):
+    for rank in ranks:
+        size, same = rank["tabular_cat"]["saved_to_buffer"]
+        assert size > 0 and same
 
 
 @pytest.mark.parametrize("runs", MODES, indirect=True)

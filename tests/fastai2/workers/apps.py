@@ -1,6 +1,7 @@
 """The fastai v2 applications on small offline tasks, played alike by tests/fastai2/test_apps.py in one process with the
 global batch (the reference) and on a notebook's group of 2 workers (to_ddp(nprocs=2)), and by apps_worker.py on 2
 launched ranks: `play` trains them in turn and returns, per application, what the tests compare."""
+import io
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from fastai.vision.all import ImageDataLoaders, vision_learner, xresnet18
 
 from ddipp.fastai2.loaders import ShardedTrainDL
 
-GLOBAL_BS = dict(lm=32, clas=32, vision=64, tabular=128, collab=128)  # a rank reads GLOBAL_BS // world a step
+GLOBAL_BS = dict(lm=32, clas=32, vision=64, tabular=128, tabular_cat=64, collab=128)  # a rank reads GLOBAL_BS // world a step
 TOPICS, WORDS = 4, 24
 AWD = dict(emb_sz=32, n_hid=64, n_layers=2, pad_token=1, bidir=False, output_p=0.1, hidden_p=0.1, input_p=0.1,
            embed_p=0.02, weight_p=0.1)
@@ -30,7 +31,7 @@ AWD = dict(emb_sz=32, n_hid=64, n_layers=2, pad_token=1, bidir=False, output_p=0
 def play(out: Path, world: int, digits: Path, **ddp) -> dict:
     """Every application in turn, with batch GLOBAL_BS // `world` a process, each learner bound by to_ddp(**ddp)."""
     runs = dict(lm=language_model, clas=classifier, vision=lambda path, bs, ddp: vision(path, bs, ddp, digits),
-                tabular=tabular, collab=collab)
+                tabular=tabular, tabular_cat=tabular_cat, collab=collab)
     res = {}
     for name, run in runs.items():
         set_seed(0)  # python's, numpy's and torch's generators: fastai shuffles text with the global ones
@@ -230,6 +231,30 @@ def tabular(path, bs: int, ddp: dict) -> dict:
     learn = tabular_learner(dls, layers=[64, 32], metrics=accuracy).to_ddp(**ddp)
     learn.fit_one_cycle(4, 3e-2)
     return summary(learn)
+
+
+def tabular_cat(path, bs: int, ddp: dict) -> dict:
+    """tabular_learner on the categorical columns alone: fastai's TabularModel keeps a BatchNorm1d(0), whose
+    zero-element parameters never get a gradient."""
+    df = tabular_frame()
+    splits = (list(range(len(df) - 600)), list(range(len(df) - 600, len(df))))
+    to = TabularPandas(df, procs=[Categorify], cat_names=["shop", "day"], cont_names=[], y_names="label",
+                       y_block=CategoryBlock(), splits=splits)
+    dls = to.dataloaders(bs=bs, val_bs=128, num_workers=0, path=path, device="cpu")
+    set_seed(0)
+    learn = tabular_learner(dls, layers=[16], metrics=accuracy).to_ddp(**ddp)
+    learn.fit_one_cycle(2, 1e-2)
+    return dict(summary(learn), saved_to_buffer=saved_to_buffer(learn))
+
+
+def saved_to_buffer(learn) -> list:
+    """`learn.save` to a buffer in this process: how many bytes it got, and whether they load back into its weights."""
+    buffer = io.BytesIO()
+    learn.save(buffer, with_opt=False)
+    if not buffer.getvalue():
+        return [0, False]
+    state = torch.load(io.BytesIO(buffer.getvalue()))
+    return [len(buffer.getvalue()), all(torch.equal(state[k], v) for k, v in learn.model.state_dict().items())]
 
 
 def ratings(n_users: int = 150, n_items: int = 120, n: int = 9000, seed: int = 0) -> pd.DataFrame:
