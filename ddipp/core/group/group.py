@@ -2,10 +2,10 @@
 
 Workers are fresh interpreters (never a fork of the kernel, so a kernel that already used CUDA is fine),
 each in its own session so that a terminal's Ctrl-C reaches the notebook only, which then stops them all.
-The notebook hosts the rendezvous store, on loopback and only until every worker has joined; each worker talks
-to the notebook over a private socket. Any failure —
-an exception on a rank, a rank that died, an interrupt — stops the whole group; the next fit starts a new
-one, and the notebook's learner keeps the weights it had before the failed fit.
+The notebook hosts the rendezvous store, on loopback, for the group's life (the ranks meet there again after a
+failed fit); each worker talks to the notebook over a private socket. A fit that fails keeps what rank 0 trained up to
+its last completed step, if rank 0 lives to send it; the workers stay when every rank ended its fit and lives (they
+form a new process group at the next fit), else the group stops and the next fit starts a new one.
 """
 import atexit
 import gc
@@ -33,7 +33,7 @@ from .wire import digest, dumps, receive, send
 START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
 LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
 STOP_DEADLINE = 4  # seconds an interrupted fit's ranks have to stop and send back what they trained
-PEER_GRACE = 5  # seconds to wait for the rank that failed first, once another rank reported the echo of it
+PEER_GRACE = 5  # seconds the other ranks have to end their fit (and rank 0 to send what it trained) once one failed
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -63,6 +63,9 @@ class WorkerGroup:
         self.procs: List[subprocess.Popen] = []
         self.conns: List[Connection] = []
         self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
+        self.unanswered = set()  # the ranks that neither answered nor failed when the last command ended
+        self.trained = None  # what rank 0 trained in a fit that failed, as of its last completed step (results)
+        self.failed_rank = None  # the rank whose error the last failed command raised
         self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
         started = time.monotonic()
         threads, share = os.environ.get("OMP_NUM_THREADS"), ddist.cores_per_rank(len(devices))
@@ -72,7 +75,6 @@ class WorkerGroup:
             for rank in range(len(devices)):
                 self._spawn(rank)
             self._collect("ready", deadline=started + START_TIMEOUT, late=self._not_started)
-            self.store = None  # every rank joined: nothing listens for the group any more
         except BaseException:
             print(" failed", flush=True)
             self.kill()
@@ -108,7 +110,7 @@ class WorkerGroup:
         """Run one fit on every rank, replaying rank 0's progress events on `mirror` (called with each event's name
         and arguments; `mirror.interrupt()` when a fit is interrupted): rank 0's results and whether an interrupt
         stopped the fit (every rank after the same step; what was trained comes back all the same)."""
-        interrupted = False
+        interrupted, self.trained, self.unanswered = False, None, set(range(len(self.conns)))
         try:
             for conn in self.conns:
                 send(conn, ("set_context", os.getcwd(), sys.path))
@@ -125,11 +127,21 @@ class WorkerGroup:
             self.held = frozenset.intersection(*(frozenset(kept) for _, kept in self.replies.values()))
             self.last_sent = dict(data=data_bytes, call=len(call) * len(self.conns), results=sum(map(len, results)))
         except BaseException as e:
-            self.kill()
+            if isinstance(e, KeyboardInterrupt) or self.unanswered or not self.alive:
+                self.kill()
+            else:  # every rank ended the fit and lives: they form a new process group at the next fit
+                self._leave()
             if isinstance(e, KeyboardInterrupt):
                 mirror.interrupt()
             raise
         return results, interrupted
+
+    def _leave(self) -> None:
+        """After a failed fit: every rank leaves its process group (those the failure did not reach too), so all
+        of them meet again at the next fit; what they held is the failed fit's, so the next one sends it all."""
+        for conn in self.conns:
+            send(conn, ("leave",))
+        self.held = frozenset()
 
     def _stop_fit(self, mirror: Any) -> None:
         """After an interrupt: ask the ranks to stop after the same step and wait STOP_DEADLINE seconds for what they
@@ -157,13 +169,11 @@ class WorkerGroup:
 
     def _collect(self, expected: str, on_event=None, deadline: Optional[float] = None,
                  late: Callable[[], BaseException] = None) -> None:
-        """Serve the workers' messages until every rank sent `expected` (its reply lands in `self.replies`); raise
-        the error of the rank that failed, or `late()` past the deadline.
-
-        A rank whose collective failed because another rank failed is not the one to blame: its error is raised
-        only when no other rank's error or death shows within PEER_GRACE seconds."""
+        """Serve the workers' messages until every rank sent `expected` (its reply lands in `self.replies`), or
+        failed; raise `late()` past the deadline. Once a rank failed, the others have PEER_GRACE seconds to end too
+        (`self.unanswered`: those that did not); then the error to read is raised."""
         pending = {conn: rank for rank, conn in enumerate(self.conns) if rank not in self.replies}
-        echoes, echo_deadline = {}, None
+        errors, grace_ends = {}, None
         while pending:
             for conn in wait(list(pending), timeout=1.0):
                 rank = pending[conn]
@@ -171,32 +181,42 @@ class WorkerGroup:
                 try:
                     kind, *args = receive(conn)
                 except (EOFError, OSError):
-                    raise self._death(rank) from None
+                    kind, args = "died", ()
                 finally:
                     self.receiving = False
                 if kind == expected:
                     self.replies[rank] = args[0]
-                    del pending[conn]
                 elif kind == "error":
                     error = _remote_error(rank, *args)
-                    if not ddist.peer_failure(error):
-                        raise error
-                    echoes[rank] = error
-                    del pending[conn]
-                    echo_deadline = echo_deadline or time.monotonic() + PEER_GRACE
+                    errors[rank] = (2 if ddist.peer_failure(error) else 0, error)
+                elif kind == "died":
+                    errors[rank] = (1, self._death(rank))
+                elif kind == "trained":
+                    self.trained = args[0]
                 elif kind == "out":
                     (sys.stderr if args[0] == "stderr" else sys.stdout).write(args[1])
                 else:
                     on_event(kind, *args)
-            for rank, proc in enumerate(self.procs):
-                if proc.poll() is not None:
-                    raise self._death(rank)
-            if echo_deadline is not None and time.monotonic() > echo_deadline:
+                if kind in (expected, "error", "died"):
+                    del pending[conn]
+            for conn, rank in list(pending.items()):
+                if self.procs[rank].poll() is not None and not conn.poll():  # dead, nothing left to read
+                    errors[rank] = (1, self._death(rank))
+                    del pending[conn]
+            grace_ends = grace_ends or (time.monotonic() + PEER_GRACE if errors else None)
+            if grace_ends is not None and time.monotonic() > grace_ends:
                 break
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline and not errors:
                 raise late()
-        if echoes:
-            raise echoes[min(echoes)]
+        self.unanswered = set(pending.values())
+        if errors:  # a rank's own error first, then a death, then a failure caused by a peer's; of the lowest rank
+            _, self.failed_rank, error = min((blame, rank, error) for rank, (blame, error) in errors.items())
+            raise error
+
+    def say_kept(self, epoch: int, steps: int) -> None:
+        """Say, after a failed fit, that the learner keeps what rank 0 trained: `steps` steps, the last in `epoch`."""
+        print(f"ddipp: the fit failed on rank {self.failed_rank}; the learner keeps what rank 0 trained up to its last "
+              f"completed step (step {steps} of the fit, in epoch {epoch})", file=sys.stderr)
 
     def _not_started(self) -> WorkerError:
         late = min(rank for rank in range(len(self.conns)) if rank not in self.replies)

@@ -3,12 +3,15 @@
 It joins the process group once (paying the torch/fastai import once), then serves commands on the socket
 it inherited: "set_context" (the notebook's directory and sys.path), "keep_data" (a data bunch to keep),
 "fit" (a learner and a fit call: run it under DDP, send back rank 0's results and the digests of the tensors this rank
-keeps for the next fit), "stop". Rank 0 relays its progress bars and prints while it fits; SIGUSR1 asks its fit to
-stop (every rank stops after the same step).
+keeps for the next fit; a fit that fails sends rank 0's results as of its last completed step, then the error, and
+leaves the process group), "leave" (after another rank's failed fit), "stop". Rank 0 relays its progress bars and
+prints while it fits; SIGUSR1 asks its fit to stop (every rank stops after the same step).
 It exits when the notebook's process dies.
 """
+import ipaddress
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -96,9 +99,44 @@ class Worker:
             raise RuntimeError(f"ddipp: rank {self.rank} holds data {self.data_digest}, not {digest}")
         from ddipp.core import dist
         dist.request_stop(False)  # an interrupt meant for an earlier fit
-        result, kept = _fitting().run_fit(self.data, call, options, self.device, self.send if self.rank == 0 else None,
-                                          self.held)
+        try:
+            result, kept = _fitting().run_fit(self.data, call, options, self.device,
+                                              self.send if self.rank == 0 else None, self.held)
+        except BaseException:
+            self.leave()
+            raise
         self.send(("done", (result, kept)))
+
+    def leave(self) -> None:
+        """Leave the process group (the next fit forms a new one through the notebook's store) and hang up on the
+        other ranks, so that a rank waiting for this one in a collective fails now instead of at the timeout."""
+        from ddipp.core import dist
+        dist.leave()
+        _hang_up(int(os.environ["MASTER_PORT"]))
+
+
+def _hang_up(store_port: int) -> None:
+    """Shut down this process's TCP connections on loopback but the store's: a notebook's group has only its ranks'
+    there (gloo's, which gloo keeps open after the process group is destroyed, however it is destroyed)."""
+    for name in os.listdir("/dev/fd"):
+        try:
+            fd = os.dup(int(name))
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket
+            os.close(fd)
+            continue
+        with sock:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            try:
+                host, port = sock.getpeername()[:2]
+                if port != store_port and ipaddress.ip_address(host).is_loopback:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected (a listener), or no longer
+                pass
 
 
 def _fitting():

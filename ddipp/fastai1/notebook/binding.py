@@ -70,6 +70,10 @@ def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = N
     try:
         results, interrupted = group.fit(learn.data, call, learn.ddp.options, mirror)
     except BaseException:
+        if group.trained is not None:  # as a local fit that fails: what was trained up to the failure stays
+            apply_results(learn, group.trained, mirror.bar, callbacks)
+            group.say_kept(len(getattr(learn.recorder, "nb_batches", [])), len(getattr(learn.recorder, "losses", [])))
+            raise
         print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
         if not hasattr(learn, "recorder"):  # as after a local fit that failed: an empty recorder
             learn.callback_fns[0](learn)

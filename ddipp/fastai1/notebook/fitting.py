@@ -43,7 +43,7 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, s
     `send`) relay progress and return results; keep the model's and optimizer's tensors in `held`, with their digests.
 
     A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
-    local fit: what was trained so far comes back."""
+    local fit: what was trained so far comes back; so it does from a fit that fails, ahead of the error."""
     request = loads(call, data_objects(data), device, held=held)
     seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
@@ -56,6 +56,10 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, s
             learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks)
     except ddist.StopRequested:
         pass
+    except BaseException:  # rank 0 sends what it trained up to its last completed step, as a local fit keeps it
+        if send is not None:
+            send(("trained", results(learn, request["callbacks"])))
+        raise
     return None if send is None else results(learn, request["callbacks"]), held.keep(state_tensors(learn))
 
 

@@ -22,6 +22,10 @@ def fit_on_group(learn: Learner, n_epoch: int, lr: Any = None, wd: Any = None, c
     try:
         results, interrupted = group.fit(learn.dls, call, learn.ddp.options, mirror)
     except BaseException:
+        if group.trained is not None:  # as a local fit that fails: what was trained up to the failure stays
+            apply_results(learn, group.trained, mirror.bar, callbacks)
+            group.say_kept(len(getattr(learn.recorder, "values", [])), len(getattr(learn.recorder, "losses", [])))
+            raise
         print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
         raise
     apply_results(learn, results, mirror.bar, callbacks)

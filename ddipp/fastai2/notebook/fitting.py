@@ -46,7 +46,7 @@ def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device, 
     `send`) relay progress and return results; keep the model's and optimizer's tensors in `held`, with their digests.
 
     A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
-    local fit: what was trained so far comes back."""
+    local fit: what was trained so far comes back; so it does from a fit that fails, ahead of the error."""
     request = loads(call, data_objects(dls), device, held=held)
     seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
@@ -64,6 +64,10 @@ def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device, 
                       reset_opt=request["reset_opt"], start_epoch=request["start_epoch"])
     except ddist.StopRequested:
         pass
+    except BaseException:  # rank 0 sends what it trained up to its last completed step, as a local fit keeps it
+        if send is not None:
+            send(("trained", results(learn, callbacks, relay)))
+        raise
     return None if send is None else results(learn, callbacks, relay), held.keep(state_tensors(learn))
 
 

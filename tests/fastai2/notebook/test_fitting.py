@@ -78,19 +78,26 @@ def test_what_users_do_after_a_fit_works_on_the_notebook_learner(notebook, tmp_p
 
 
 class DiesOnRank1(Callback):
+    order = 55  # after the Recorder, which gathers the step's loss from every rank
+
     def after_batch(self):
         if self.training and self.iter == 2 and ddipp.rank() == 1:
             os._exit(3)
 
 
-def test_a_rank_that_dies_is_named_and_the_next_fit_starts_a_new_group(notebook, tmp_path):
-    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+def test_a_rank_that_dies_is_named_rank0s_training_stays_and_the_next_fit_starts_a_new_group(notebook, tmp_path):
+    learn = digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2)
     learn.fit(1, 1e-2)
     workers = [p.pid for p in _groups[CPU2].procs]
     with pytest.raises(WorkerError) as raised:
         learn.fit(1, 1e-2, cbs=DiesOnRank1())
     assert f"ddipp worker rank 1 (pid {workers[1]}, cpu) exited with code 3" in str(raised.value)
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in workers)
+    local = digits_learner(digits_dls(bs=32), tmp_path / "one")
+    local.fit(1, 1e-2)
+    with pytest.raises(ValueError):
+        local.fit(1, 1e-2, cbs=FailAt(rank=0, epoch=0, step=2))
+    assert max_diff(params(learn), params(local)) <= TOL and close(history(learn), history(local))  # 3 steps
     learn.fit(1, 1e-2)
     assert len(history(learn)["values"]) == 1 and [p.pid for p in _groups[CPU2].procs] != workers
 
@@ -184,18 +191,56 @@ class FailOnRank1(Callback):
             raise ValueError("rank 1 fails on purpose")
 
 
-def test_an_exception_on_a_rank_raises_here_as_itself_and_the_learner_is_as_before(notebook, tmp_path):
+def test_an_exception_on_a_rank_raises_here_as_itself(notebook, tmp_path):
     learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
-    learn.fit(1, 1e-2)
-    before, values = params(learn), history(learn)["values"]
     with pytest.raises(ValueError) as raised:
         learn.fit(1, 1e-2, cbs=FailOnRank1())
     assert str(raised.value).endswith("rank 1 fails on purpose")  # fastai names the callback and event before it
     assert "raised on rank 1" in raised.value.__notes__[-1]
     assert "in after_batch" in str(raised.value.__cause__)
-    assert max_diff(params(learn), before) == 0 and history(learn)["values"] == values
-    learn.fit(1, 1e-2)  # on a new group
-    assert len(history(learn)["values"]) == 1
+
+
+class FailAt(Callback):
+    """Raises after training step `step` of `epoch` on `rank` (a local fit is rank 0), once Recorder recorded it."""
+    order = 55
+
+    def __init__(self, rank=1, epoch=1, step=5):
+        self.rank, self.fail_epoch, self.step = rank, epoch, step
+
+    def after_batch(self):
+        if self.training and self.epoch == self.fail_epoch and self.iter == self.step and ddipp.rank() == self.rank:
+            raise ValueError(f"rank {self.rank} fails on purpose")
+
+
+def _failed_then_refit(learn, rank):
+    """Fit 1 epoch, 2 failing on `rank` at step 5 of epoch 1, then 1 more: what the last two left."""
+    learn.fit(1, 1e-2)
+    with pytest.raises(ValueError, match="fails on purpose"):
+        learn.fit(2, 1e-2, cbs=FailAt(rank))
+    failed = dict(history(learn), params=params(learn), epoch=learn.epoch,
+                  opt=[t.clone() for state in learn.opt.state.values() for t in state.values() if torch.is_tensor(t)])
+    learn.fit(1, 1e-2)
+    return failed, dict(history(learn), params=params(learn))
+
+
+def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(notebook, tmp_path, capsys):
+    """As a local fit that fails: the weights, optimizer state and recorder of the last completed step (epoch 0 and 6
+    steps of epoch 1), learn.epoch 1; the same workers run the next fit, which goes on as one process goes on."""
+    learn = digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2)
+    workers = [p.pid for p in _groups[CPU2].procs]
+    failed, refit = _failed_then_refit(learn, rank=1)
+    err = capsys.readouterr().err
+    local_failed, local_refit = _failed_then_refit(digits_learner(digits_dls(bs=32), tmp_path / "one"), rank=0)
+    steps = 20 + 6  # 20 steps an epoch
+    assert len(failed["values"]) == 1 and len(failed["losses"]) == steps and failed["epoch"] == 1
+    assert close({k: failed[k] for k in ("values", "losses", "lrs", "epoch")},
+                 {k: local_failed[k] for k in ("values", "losses", "lrs", "epoch")})
+    assert max_diff(failed["params"], local_failed["params"]) <= TOL
+    assert len(failed["opt"]) == len(local_failed["opt"]) > 0 and max_diff(failed["opt"], local_failed["opt"]) <= TOL
+    assert (f"ddipp: the fit failed on rank 1; the learner keeps what rank 0 trained up to its last completed step "
+            f"(step {steps} of the fit, in epoch 1)") in err
+    assert [p.pid for p in _groups[CPU2].procs] == workers
+    assert max_diff(refit["params"], local_refit["params"]) <= TOL and close(refit["values"], local_refit["values"])
 
 
 def test_an_interrupt_stops_every_rank_keeps_what_was_trained_and_a_killed_notebook_leaves_no_worker(tmp_path):
