@@ -33,8 +33,9 @@ their host name resolves to: whoever reaches those ports can read and write the 
 and join the collectives, without authentication, so run such jobs only on a trusted network.
 
 Only rank 0 prints to the terminal; the other ranks write to per-rank log files whose paths are printed
-when the group starts. When a rank fails, the launcher shows the end of its log (its traceback), stops
-the other ranks and exits with status 1, keeping the logs; when every rank exits 0 the logs are removed.
+when the group starts. When a rank fails, the launcher shows the end of its log (its traceback), then a line for each
+rank stopped with it, stops the other ranks and exits with status 1, keeping the logs; when every rank exits 0 the logs
+are removed.
 """
 import argparse
 import os
@@ -294,22 +295,34 @@ def _rank_logs(config: Config):
     return RankLogs(redirects={i: Std.NONE if rank0_here and i == 0 else Std.ALL for i in range(config.nproc)})
 
 
+OWN_ERROR, SIGNALLED, STOPPED_BY_PEER = range(3)  # the order _report says failed ranks in
+
+
 def _report(failures: dict, stderrs: dict[int, str]) -> None:
-    """Say which ranks failed, with the end of each one's log (elastic's "first failure" is only to the second)."""
-    for rank, failure in sorted(failures.items()):
-        log = stderrs.get(failure.local_rank)
-        tail = Path(log).read_text(errors="replace").splitlines()[-TAIL_LINES:] if log else []
-        raised = any("Traceback (most recent call last)" in line for line in tail)  # lines start with "[rankN]: "
-        if failure.exitcode < 0 and raised:  # stopped while exiting after its error (a peer's echo ended first)
-            print(f"{PROG}: rank {rank} raised and was stopped ({failure.signal_name()}) while it exited; end of "
-                  f"{log}:", *tail, sep="\n", file=sys.stderr)
-        elif failure.exitcode < 0:
-            print(f"{PROG}: rank {rank} stopped ({failure.signal_name()})", file=sys.stderr)
-        elif not log:
-            print(f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); its output is above", file=sys.stderr)
-        else:
-            print(f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); end of {log}:", *tail,
-                  sep="\n", file=sys.stderr)
+    """Say which ranks failed: first each one's own error, with the end of its log (elastic's "first failure" is only to
+    the second), then in one line each rank stopped by a signal, then each rank stopped by another's failure."""
+    said = [_said(rank, failure, stderrs.get(failure.local_rank)) for rank, failure in sorted(failures.items())]
+    for _, lines in sorted(said, key=lambda order_lines: order_lines[0]):
+        print(*lines, sep="\n", file=sys.stderr)
+
+
+def _said(rank: int, failure, log: str | None) -> tuple[int, list[str]]:
+    """What the launcher says of a failed rank (elastic's ProcessFailure) whose stderr went to `log` (empty: to the
+    terminal): its place in the report, and the lines."""
+    from .core.dist import PEER_FAILURE_KEY
+
+    if failure.error_file_data.get(PEER_FAILURE_KEY):  # its line, written by ddipp.core.dist.leave_after's hook
+        return STOPPED_BY_PEER, [f"{PROG}: {failure.message['message']}"]
+    tail = Path(log).read_text(errors="replace").splitlines()[-TAIL_LINES:] if log else []
+    raised = any("Traceback (most recent call last)" in line for line in tail)  # lines start with "[rankN]: "
+    if failure.exitcode < 0 and raised:  # stopped while exiting after its error (a peer's echo ended first)
+        return OWN_ERROR, [f"{PROG}: rank {rank} raised and was stopped ({failure.signal_name()}) while it exited; "
+                           f"end of {log}:", *tail]
+    if failure.exitcode < 0:
+        return SIGNALLED, [f"{PROG}: rank {rank} stopped ({failure.signal_name()})"]
+    if not log:
+        return OWN_ERROR, [f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); its output is above"]
+    return OWN_ERROR, [f"{PROG}: rank {rank} failed (exit code {failure.exitcode}); end of {log}:", *tail]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,8 @@ from ddipp.core.dist import parse_gpus
 from ddipp.launch import PROG, Config, _report, config_from_args, parse, store_socket
 
 WORKERS = Path(__file__).parent / "workers"
-ECHO, FAIL, RESTART = WORKERS / "launch_echo.py", WORKERS / "launch_fail.py", WORKERS / "launch_restart.py"
+ECHO, FAIL, RESTART, PEER_FAIL = (WORKERS / name for name in ("launch_echo.py", "launch_fail.py", "launch_restart.py",
+                                                                "launch_peer_fail.py"))
 # fastai's import warns about pkg_resources in every launcher; pytest.ini ignores it the same way
 ENV = dict(os.environ, PYTHONWARNINGS="ignore:pkg_resources is deprecated:UserWarning")
 ENV.pop("OMP_NUM_THREADS", None)  # the launcher must set it itself
@@ -291,9 +292,8 @@ def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_keeps_the_logs(t
     rc, stdout, stderr = finish(launch("--nproc", 2, "--max-restarts", 1, FAIL, tmp=tmp_path))
     assert rc == 1 and time.monotonic() - start < 120
     assert stdout.count("rank 0 waits for rank 1, forever") == 2  # blocked, then stopped, in each attempt
-    assert "rank 0 stopped (SIGTERM)" in stderr
     assert "rank 1 failed (exit code 1); end of" in stderr
-    assert stderr.rstrip().endswith("RuntimeError: rank 1 gives up on purpose")
+    assert stderr.rstrip().endswith(f"RuntimeError: rank 1 gives up on purpose\n{PROG}: rank 0 stopped (SIGTERM)")
     attempts = log_paths(stderr, 1)
     assert [p.parent.parent.name for p, _ in attempts] == ["attempt_0", "attempt_1"]  # --max-restarts 1: twice
     assert all("rank 1 gives up on purpose" in err.read_text() for _, err in attempts)
@@ -302,6 +302,19 @@ def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_keeps_the_logs(t
     assert f"end of {attempts[-1][1]}:" in stderr
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(FAIL) in " ".join(p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_the_failing_ranks_error_comes_first_and_the_rank_it_stopped_says_so_in_one_line(tmp_path):
+    rc, stdout, stderr = finish(launch("--nproc", 2, PEER_FAIL, tmp=tmp_path))
+    assert rc == 1
+    lines = stderr.splitlines()
+    error = lines.index("[rank1]: ValueError: rank 1 fails on purpose")  # the end of rank 1's log, shown
+    rank0 = [i for i, line in enumerate(lines) if line.startswith((f"{PROG}: rank 0", "[rank0]"))]
+    assert rank0 == [error + 1], stderr  # rank 0, stopped by rank 1's failure: one line, after it
+    assert lines[error + 1] in (f"{PROG}: rank 0 stopped because rank 1 failed (ValueError: rank 1 fails on purpose)",
+                                f"{PROG}: rank 0 stopped (SIGTERM)"), stderr  # the launcher may stop it first
+    assert [line for line in stdout.splitlines() + lines if "Traceback" in line] == ["[rank1]: Traceback (most recent "
+                                                                                      "call last):"]
 
 
 def test_a_restarted_group_forms_and_one_that_cannot_fails_within_the_timeout_naming_the_absent_rank(tmp_path):

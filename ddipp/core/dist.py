@@ -4,11 +4,15 @@ Every helper returns single-process values (rank 0 of 1, the default device) whe
 this process, so the same script runs with and without DDP.
 """
 import atexit
+import json
 import os
 import socket
+import sys
+import time
 import traceback
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +23,8 @@ CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"  # set by the notebook's worker group:
 PARENT_PID_ENV = "DDIPP_PARENT_PID"  # set by the notebook's worker group: the notebook's pid (its workers end with it)
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torch's elastic agent: 0, then 1, 2, ... each time it restarts
 TIMEOUT_ENV = "DDIPP_TIMEOUT"  # seconds a collective may wait for the other ranks (torch's default if unset)
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torch's elastic agent: where a rank's failure is told to it
+PEER_FAILURE_KEY = "ddipp_peer_failure"  # true in the error file of a rank that a peer's failure stopped
 GLOO_IFNAME_ENV, NCCL_IFNAME_ENV = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"  # the interface their sockets use
 
 
@@ -209,19 +215,52 @@ def leave() -> None:
 
 def leave_after(error: BaseException) -> None:
     """`leave()` after a fit raised `error`. This rank's own error is posted to the group's store first; a peer's
-    failure gets a note naming the rank that failed first and its error (its own log may end before it is written)."""
+    failure gets a note naming the rank that failed first and its error (its own log may end before it is written), and
+    ends the script, if nothing catches it, with one line saying so instead of its traceback."""
     if not dist.is_initialized():
         return
     store, me, times = dist.distributed_c10d._get_default_store(), dist.get_rank(), 0 if _left is None else _left[2] + 1
-    if not peer_failure(error):
-        store.set(f"ddipp-error{times}/{me}", "".join(traceback.format_exception_only(error)).strip())
+    if peer_failure(error):
+        _stopped_by_peer(error, me, _first_posted(store, me, times))
     else:
-        posted = [(rank, store.get(key).decode()) for rank in range(dist.get_world_size())
-                  if rank != me and store.check([key := f"ddipp-error{times}/{rank}"])]
-        first = f"rank {posted[0][0]} failed, with:\n{posted[0][1]}" if posted else None
-        error.add_note(f"ddipp: this rank stopped because {first}" if first else
-                       "ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
+        store.set(f"ddipp-error{times}/{me}", "".join(traceback.format_exception_only(error)).strip())
     leave()
+
+
+def _first_posted(store: dist.Store, me: int, times: int) -> tuple[int, str] | None:
+    """The lowest rank but `me` that posted its error when the group was left the `times`-th time, and that error."""
+    for rank in range(dist.get_world_size()):
+        if rank != me and store.check([key := f"ddipp-error{times}/{rank}"]):
+            return rank, store.get(key).decode()
+    return None
+
+
+def _stopped_by_peer(error: BaseException, me: int, failed: tuple[int, str] | None) -> None:
+    """Note on `error` which rank failed first, with what, and have `error` end the script in one line saying so."""
+    if failed:
+        error.add_note(f"ddipp: this rank stopped because rank {failed[0]} failed, with:\n{failed[1]}")
+        line = f"rank {me} stopped because rank {failed[0]} failed ({failed[1].splitlines()[0]})"
+    else:
+        error.add_note("ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
+        line = f"rank {me} stopped because another rank failed"
+    sys.excepthook = _in_one_line(error, line, sys.excepthook)
+
+
+def _in_one_line(error: BaseException, line: str, hook):
+    """Python's hook for the error that ends a script: `error` said as `line`, in torch elastic's error file where the
+    launcher gave one (ddipp.launch prints it after the failed rank's error, the traceback stays in the file), else on
+    stderr; any other error as `hook` says it."""
+    def say(kind, value, tb):
+        file = os.environ.get(ERROR_FILE_ENV)
+        if value is not error:
+            hook(kind, value, tb)
+        elif not file:
+            print(f"ddipp: {line}", file=sys.stderr, flush=True)
+        else:
+            stack = "".join(traceback.format_exception(kind, value, tb))
+            Path(file).write_text(json.dumps({PEER_FAILURE_KEY: True, "message": {
+                "message": line, "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}))
+    return say
 
 
 class StopRequested(KeyboardInterrupt):
