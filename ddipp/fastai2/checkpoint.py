@@ -1,4 +1,5 @@
 """Checkpoint: a fit that can be resumed where it stopped, with the same result as if it had not stopped."""
+import copy
 import random
 from pathlib import Path
 
@@ -49,9 +50,10 @@ class Checkpoint(Callback):
         rngs = every_rank([rng_state(), _loader_rng(self.learn)])  # a collective: every rank takes part, rank 0 writes
         if ddist.is_rank0():
             smooth = self.learn.recorder.smooth_loss
-            save_atomic(dict(model=get_model(self.learn.model).state_dict(), opt=_plain(self.learn.opt.state_dict()),
-                             epoch=self.epoch + 1, train_iter=self.learn.train_iter,
-                             smooth_loss=[smooth.count, smooth.val], rngs=rngs, shuffle_seed=self._shuffle_seed()),
+            save_atomic(_plain(dict(model=get_model(self.learn.model).state_dict(), opt=self.learn.opt.state_dict(),
+                                    epoch=self.epoch + 1, train_iter=self.learn.train_iter,
+                                    smooth_loss=[smooth.count, smooth.val], rngs=rngs,
+                                    shuffle_seed=self._shuffle_seed())),
                         self.file)
 
     def _load(self):
@@ -100,9 +102,15 @@ def _set_loader_rng(learn, state) -> None:
 
 
 def _plain(obj):
-    """`obj` with fastcore's L as lists and numpy scalars as Python numbers: what a weights-only load reads."""
+    """`obj` with fastcore's L as lists, numpy scalars as Python numbers and fastai's tensor subclasses (TensorBase: the
+    smoothed loss of a fastai loss) as plain tensors: what a weights-only load reads. A dict keeps its type (a state
+    dict its metadata)."""
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
+        plain = copy.copy(obj)
+        plain.update((k, _plain(v)) for k, v in obj.items())
+        return plain
     if isinstance(obj, (list, tuple, L)):
         return [_plain(o) for o in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.as_subclass(torch.Tensor)
     return obj.item() if isinstance(obj, np.generic) else obj

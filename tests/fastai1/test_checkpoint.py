@@ -1,12 +1,24 @@
-"""Checkpoint: resuming a 4-epoch one-cycle fit after epoch 2, on 2 ranks (`beyond_ranks`) and in one process."""
+"""Checkpoint: resuming a 4-epoch one-cycle fit after epoch 2, on 2 ranks (`beyond_ranks`) and in one process;
+resuming a 3-epoch fit after epoch 2 on the data fastai users build."""
 import pickle
+from functools import partial
+from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
+from fastai.basic_train import Learner
+from fastai.tabular import Categorify, Normalize, TabularDataBunch, tabular_learner
+from fastai.vision import ImageDataBunch, ImageList
+from PIL import Image
+from torch import nn
 
-from beyond import resume_story
+import ddipp
+from beyond import StopAt, resume_story
 from ddipp.core.files import save_atomic
-from scenario import TOL, close, max_diff
+from ddipp.core.rng import seed_all
+from scenario import TOL, close, max_diff, params
 
 
 def test_resumed_fit_ends_with_the_parameters_of_the_uninterrupted_fit_on_2_ranks(beyond_ranks):
@@ -69,3 +81,55 @@ def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tm
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         learn.fit_one_cycle(4, 1e-2, start_epoch=2)
     assert not marker.exists()
+
+
+def image_folder(path: Path) -> Path:
+    """48 random 8x8 RGB images in train/ and valid/ folders of two classes (dark and light)."""
+    rng = np.random.default_rng(0)
+    for i in range(48):
+        label = ("dark", "light")[i % 2]
+        folder = path / ("train" if i < 32 else "valid") / label
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 128, (8, 8, 3)) + 127 * (label == "light")
+        Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i}.png")
+    return path
+
+
+def tiny_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2),
+                         nn.Linear(64, 2))
+
+
+def image_learner(path: Path) -> Learner:
+    return Learner(ImageDataBunch.from_folder(image_folder(path), bs=8, num_workers=0), tiny_cnn())
+
+
+def data_block_learner(path: Path) -> Learner:
+    data = (ImageList.from_folder(image_folder(path)).split_by_folder().label_from_folder()
+            .databunch(bs=8, num_workers=0))
+    return Learner(data, tiny_cnn())
+
+
+def tabular_ckpt_learner(path: Path) -> Learner:
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame(dict(colour=rng.choice(["red", "green", "blue"], 64), size=rng.normal(size=64)))
+    df["big"] = (df["size"] > 0).astype(int)
+    data = TabularDataBunch.from_df(path, df, "big", valid_idx=list(range(48, 64)), procs=[Categorify, Normalize],
+                                    cat_names=["colour"], cont_names=["size"], bs=8, num_workers=0)
+    return tabular_learner(data, layers=[8], ps=[0.2])
+
+
+@pytest.mark.parametrize("make", [image_learner, data_block_learner, tabular_ckpt_learner])
+def test_a_fit_stopped_after_epoch_2_resumes_in_a_plain_process_to_the_weights_of_the_whole_fit(tmp_path, make):
+    def fresh(seed: int, *callback_fns) -> Learner:
+        seed_all(seed)  # the weights, the loaders' order (torch's generator), the dropout
+        learn = make(tmp_path)
+        learn.callback_fns += list(callback_fns)
+        return learn
+    whole = fresh(0, partial(ddipp.Checkpoint, name="whole"))
+    whole.fit_one_cycle(3, 1e-2)
+    with pytest.raises(KeyboardInterrupt):
+        fresh(0, partial(ddipp.Checkpoint, name="cut"), partial(StopAt, at=2)).fit_one_cycle(3, 1e-2)
+    resumed = fresh(1, partial(ddipp.Checkpoint, name="cut"))  # other weights, draws and order than the stopped fit
+    resumed.fit_one_cycle(3, 1e-2, start_epoch=2)
+    assert max_diff(params(resumed), params(whole)) == 0

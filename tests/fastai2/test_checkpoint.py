@@ -1,17 +1,31 @@
 """Checkpoint (fastai v2): resuming a 4-epoch one-cycle fit after epoch 2, on 2 ranks (`extras_ranks`) and in one
-process."""
+process; resuming a 3-epoch fit after epoch 2 on the loaders fastai users build."""
 import pickle
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
+from fastai.data.block import CategoryBlock, DataBlock
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from fastai.data.transforms import GrandparentSplitter, get_image_files, parent_label
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.tabular.all import Categorify, Normalize, TabularDataLoaders, tabular_learner
+from fastai.vision.all import ImageBlock, ImageDataLoaders
+from PIL import Image
+from torch import nn
+from torch.utils.data import TensorDataset
 
 import ddipp
+from ddipp.core.rng import seed_all
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from extras import ckpt_learner, launched, resume_story  # noqa: E402
-from fit_story import TOL, close, max_diff  # noqa: E402
+from extras import StopAt, ckpt_learner, launched, resume_story  # noqa: E402
+from fit_story import TOL, close, max_diff, params  # noqa: E402
 
 
 @pytest.fixture
@@ -80,3 +94,65 @@ def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tm
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         learn.fit_one_cycle(4, 1e-2, start_epoch=2, cbs=ddipp.Checkpoint(name="run"))
     assert not marker.exists()
+
+
+def image_folder(path: Path) -> Path:
+    """48 random 8x8 RGB images in train/ and valid/ folders of two classes (dark and light)."""
+    rng = np.random.default_rng(0)
+    for i in range(48):
+        label = ("dark", "light")[i % 2]
+        folder = path / ("train" if i < 32 else "valid") / label
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 128, (8, 8, 3)) + 127 * (label == "light")
+        Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i}.png")
+    return path
+
+
+def tiny_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2),
+                         nn.Linear(64, 2))
+
+
+def tensor_learner(path: Path) -> Learner:
+    """The issue's loader: fastai's DataLoader over a TensorDataset, shuffled; a fastai loss (it returns TensorBase)."""
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(1) > 0).long()
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=16, shuffle=True), DataLoader(TensorDataset(x, y), bs=16),
+                      device="cpu")
+    return Learner(dls, nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 2)),
+                   loss_func=CrossEntropyLossFlat(), path=path)
+
+
+def image_learner(path: Path) -> Learner:
+    dls = ImageDataLoaders.from_folder(image_folder(path), bs=8, num_workers=0, device="cpu")
+    return Learner(dls, tiny_cnn(), loss_func=CrossEntropyLossFlat(), path=path)
+
+
+def data_block_learner(path: Path) -> Learner:
+    block = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, splitter=GrandparentSplitter(),
+                      get_y=parent_label)
+    dls = block.dataloaders(image_folder(path), bs=8, num_workers=0, device="cpu")
+    return Learner(dls, tiny_cnn(), loss_func=CrossEntropyLossFlat(), path=path)
+
+
+def tabular_ckpt_learner(path: Path) -> Learner:
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame(dict(colour=rng.choice(["red", "green", "blue"], 64), size=rng.normal(size=64)))
+    df["big"] = (df["size"] > 0).astype(int)
+    dls = TabularDataLoaders.from_df(df, path, procs=[Categorify, Normalize], cat_names=["colour"], cont_names=["size"],
+                                     y_names="big", y_block=CategoryBlock(), valid_idx=list(range(48, 64)), bs=8,
+                                     num_workers=0, device="cpu")
+    return tabular_learner(dls, layers=[8], config=dict(ps=0.2))
+
+
+@pytest.mark.parametrize("make", [tensor_learner, image_learner, data_block_learner, tabular_ckpt_learner])
+def test_a_fit_stopped_after_epoch_2_resumes_in_a_plain_process_to_the_weights_of_the_whole_fit(tmp_path, make):
+    def fresh(seed: int) -> Learner:
+        seed_all(seed)  # the weights, the loaders' own generators, numpy's (the tabular loader shuffles with it)
+        return make(tmp_path)
+    whole = fresh(0)
+    whole.fit_one_cycle(3, 1e-2, cbs=ddipp.Checkpoint(name="whole"))
+    fresh(0).fit_one_cycle(3, 1e-2, cbs=[ddipp.Checkpoint(name="cut"), StopAt(2)])
+    resumed = fresh(1)  # other weights, draws and order than the stopped fit
+    resumed.fit_one_cycle(3, 1e-2, start_epoch=2, cbs=ddipp.Checkpoint(name="cut"))
+    assert max_diff(params(resumed), params(whole)) == 0
