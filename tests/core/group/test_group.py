@@ -119,8 +119,10 @@ def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(tmp_path, 
     """As a local fit that fails: the weights, optimizer state and recorder of the last completed step (epoch 0 and 6
     steps of epoch 1); the same workers run the next fit, which goes on from there as one process goes on."""
     learn = digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2)
+    other = digits_learner(digits_data(tmp_path / "other", bs=16)).to_ddp(nprocs=2)  # shares the group
     workers = [p.pid for p in _groups[CPU2].procs]
     failed, refit = _failed_then_refit(learn, capsys)
+    other.fit(1, 1e-2)
     local_failed, local_refit = _failed_then_refit(digits_learner(digits_data(tmp_path / "one", bs=32)), capsys)
     assert len(failed["val_losses"]) == 1 and len(failed["losses"]) == 44 + 6
     assert close({k: failed[k] for k in ("losses", "val_losses", "metrics")},
@@ -129,7 +131,7 @@ def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(tmp_path, 
     assert len(failed["opt"]) == len(local_failed["opt"]) > 0 and max_diff(failed["opt"], local_failed["opt"]) <= TOL
     assert ("ddipp: the fit failed on rank 1; the learner keeps what rank 0 trained up to its last completed step "
             "(step 50 of the fit, in epoch 1)") in failed["err"]
-    assert [p.pid for p in _groups[CPU2].procs] == workers
+    assert [p.pid for p in _groups[CPU2].procs] == workers and len(other.recorder.val_losses) == 1
     assert max_diff(refit["params"], local_refit["params"]) <= TOL and len(refit["val_losses"]) == 1
     print(f"next fit after a failure: {refit['took']:.1f} s")
 
