@@ -304,6 +304,13 @@ def seeded_fit(learn, callback, seed: int):
     return learn
 
 
+# How far the 2-rank fit's weights may end from its one-process twin's. The draws are the same (in float64 the two
+# fits end 7e-16 apart); in float32 the order of the sums differs (batch 16 + allreduce against batch 32) and 30 Adam
+# steps amplify it: MixUp ended 1.0e-7 apart, CutMix 1.0e-4 on a 2-core machine of the project's kind (9.98e-5 on
+# another, under 1e-5 where CI ran). A draw that differed would move the weights as much as mixing does (> 1e-2).
+MIX_TOL = {MixUp: TOL, CutMix: 1e-3}
+
+
 @pytest.mark.parametrize("mix, two_ranks", [(MixUp, TwoRankMixUp), (CutMix, TwoRankCutMix)])
 def test_mixup_and_cutmix_mix_as_two_seeded_ranks_do_and_train_as_well_as_one_process(tmp_path, mix, two_ranks):
     notebook = image_learner(image_dls(16), tmp_path).to_ddp(nprocs=2)
@@ -312,7 +319,7 @@ def test_mixup_and_cutmix_mix_as_two_seeded_ranks_do_and_train_as_well_as_one_pr
     ranks = seeded_fit(image_learner(image_dls(32), tmp_path), two_ranks(), MIX_SEED)
     one_process = seeded_fit(image_learner(image_dls(32), tmp_path), mix(), MIX_SEED)
     unmixed = seeded_fit(image_learner(image_dls(32), tmp_path), None, MIX_SEED)
-    assert_same_fit(notebook, ranks)  # exact: the same draws on each rank's half of the batch
+    assert_same_fit(notebook, ranks, MIX_TOL[mix])  # the same draws on each rank's half of the batch
     assert max_diff(params(notebook), params(unmixed)) > 1e-2  # the mixing changed the training
     # one process draws λ and the partners for 32 items at once, each rank for its 16: other (equally distributed)
     # mixes, so only the quality compares: measured 0.015 and 0.05 apart in validation loss, 0.02 in accuracy
