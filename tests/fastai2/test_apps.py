@@ -11,6 +11,8 @@ process's computation on the same weights); the samplers' orders and batches ite
 import contextlib
 import io
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,6 +118,29 @@ def test_two_processes_reach_what_one_process_reaches_with_the_global_batch(runs
 def test_the_fits_validation_is_one_processs_on_the_same_weights(runs, app):
     res = runs[app]
     assert all(abs(a - b) <= EXACT * max(1.0, abs(b)) for a, b in zip(res["final"], res["validated"])), res
+
+
+# A learner the launched ranks exported, loaded by plain fastai where ddipp cannot be imported: its weights' sum.
+LOAD_WITHOUT_DDIPP = """
+import sys
+class NoDdipp:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ddipp":
+            raise ModuleNotFoundError(f"No module named {name!r} (ddipp is not installed here)")
+sys.meta_path.insert(0, NoDdipp())
+from fastai.learner import load_learner
+learn = load_learner(sys.argv[1])
+assert "ddipp" not in sys.modules
+print(float(sum(p.detach().double().sum() for p in learn.model.parameters())))
+"""
+
+
+def test_a_launched_export_loads_where_ddipp_is_not_installed(launch, ranks):
+    _, out = launch
+    proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_DDIPP, str(out / "tabular_cat" / "export.pkl")],
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split()[-1]) == ranks[0]["tabular_cat"]["weights_sum"]
 
 
 def test_save_to_a_buffer_gives_every_launched_rank_the_bytes_of_its_weights(ranks):

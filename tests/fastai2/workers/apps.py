@@ -244,7 +244,14 @@ def tabular_cat(path, bs: int, ddp: dict) -> dict:
     set_seed(0)
     learn = tabular_learner(dls, layers=[16], metrics=accuracy).to_ddp(**ddp)
     learn.fit_one_cycle(2, 1e-2)
-    return dict(summary(learn), saved_to_buffer=saved_to_buffer(learn))
+    path.mkdir(parents=True, exist_ok=True)
+    learn.export("export.pkl")
+    return dict(summary(learn), saved_to_buffer=saved_to_buffer(learn), weights_sum=weights_sum(learn.model))
+
+
+def weights_sum(model) -> float:
+    """The sum of every weight of `model` (in float64): equal for the same weights."""
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
 def saved_to_buffer(learn) -> list:
