@@ -52,6 +52,6 @@ benchmark: $(VENV)/.installed $(VENV2)/.installed
 
 # fastai 1.0.61's training tests under 2-rank DDP, every Learner .to_ddp()-ed, one `python -m ddipp.launch --nproc 2`
 # per test (tools/fastai_ddp_suite.py): prints a table of the tests, each passed only when both ranks passed it; fails
-# if a test failed. About 10 minutes on 2 cores, so not part of `make test`
+# if a test failed. About 8 minutes on 2 cores, so not part of `make test`
 fastai-ddp-suite: $(VENV)/.installed
 	$(PY) tools/fastai_suite.py --ddp
