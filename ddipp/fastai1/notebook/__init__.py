@@ -11,8 +11,9 @@ How one fit flows (each box a module of this package)::
                        progress.ProgressMirror <==== progress.ProgressRelay (rank 0's bars, prints)
                        fitting.apply_results  <==== rank 0's weights, optimizer state, callbacks
 
-Commands the notebook sends, each the name of a `Worker` method: "set_context", "keep_data", "fit", "stop".
-Replies: "ready", "done" (a fit's results, the digests of what each rank keeps), "error" (a pickled exception
-and its traceback), "out" (rank 0's prints) and progress events. The store the workers rendezvous on listens on loopback only, and only
+Commands the notebook sends, each the name of a `Worker` method: "set_context", "keep_data", "fit", "leave", "stop".
+Replies: "ready", "done" (a fit's results, the digests of what each rank keeps), "trained" (rank 0's results as of
+its last completed step, ahead of a failed fit's error), "error" (a pickled exception and its traceback), "out"
+(rank 0's prints) and progress events. The store the workers rendezvous on listens on loopback only, and only
 until every worker has joined.
 """

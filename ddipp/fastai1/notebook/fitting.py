@@ -66,7 +66,7 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, s
 def results(learn: Learner, fit_callbacks: list) -> List[bytes]:
     """What a fit changed on the learner, in parts that come back one after the other: the weights and optimizer
     state first, on their own; then the callbacks (of the `fit_callbacks`, given to the fit, their state), together,
-    or (if that fails) each alone and without what of it cannot be pickled (a CSVLogger keeps its closed file): an
+    or (if that fails) each alone and without what of it cannot be pickled (a lock, a socket): an
     unpicklable attribute never costs the weights."""
     objects = {**learner_objects(learn), **fit_callback_objects(fit_callbacks)}
     parts = [dumps(dict(state=learn.model.state_dict(), opt=learn.opt), objects=objects)]
