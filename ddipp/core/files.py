@@ -97,3 +97,18 @@ class UnnamedFile:
 
     def open(self, mode: str):
         return tempfile.TemporaryFile(mode)
+
+
+@contextmanager
+def writing_as_rank_0() -> Iterator[None]:
+    """In the block, this process passes for rank 0 to code that reads RANK (fastai's save and export write nothing
+    elsewhere): for writing into a buffer of its own, which every rank may ask for."""
+    rank = os.environ.get("RANK")
+    os.environ["RANK"] = "0"
+    try:
+        yield
+    finally:
+        if rank is None:
+            del os.environ["RANK"]
+        else:
+            os.environ["RANK"] = rank

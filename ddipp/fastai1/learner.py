@@ -1,6 +1,5 @@
 """`Learner.to_ddp` / `Learner.from_ddp`, added the way fastai v1 adds `to_fp16` and `to_distributed`."""
-import os
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import partial, wraps
 from types import MethodType
 from typing import Optional, Sequence
@@ -12,7 +11,7 @@ from fastai.torch_core import is_pathlike, rank_distrib
 
 from ..core import dist as ddist
 from ..core.ddp import check_matches_launch, check_options, notebook_devices
-from ..core.files import replacing
+from ..core.files import replacing, writing_as_rank_0
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
 from .loaders import lm_eval_loader
 
@@ -57,7 +56,7 @@ def _save(self, file=None, return_path: bool = False, with_opt: bool = True):
     # A file replaces the target only once it is whole (fastai writes in place: a crash mid-write would leave neither
     # the old model nor the new); rank 0 alone writes it. A buffer is this process's own: it gets the bytes anywhere.
     if not is_pathlike(file):
-        with _as_rank_0():
+        with writing_as_rank_0():
             return type(self).save(self, file, return_path, with_opt)
     if rank_distrib():
         return type(self).save(self, file, return_path, with_opt)  # fastai's own: writes nothing here
@@ -74,7 +73,7 @@ def _export(self, file="export.pkl", destroy: bool = False):
     callback_fns = self.callback_fns
     self.callback_fns = _plain_callback_fns(callback_fns)
     try:
-        with nullcontext() if is_pathlike(file) else _as_rank_0():
+        with nullcontext() if is_pathlike(file) else writing_as_rank_0():
             type(self).export(self, file, destroy)
     finally:
         if "callback_fns" in vars(self):  # not destroyed
@@ -92,20 +91,6 @@ def _validate(self, dl=None, callbacks=None, metrics=None):
 
 
 _METHODS = {"save": _save, "export": _export, "validate": _validate}
-
-
-@contextmanager
-def _as_rank_0():
-    """fastai's save and export write in the block on any rank (they read RANK, and write nothing where it is > 0)."""
-    rank = os.environ.get("RANK")
-    os.environ["RANK"] = "0"
-    try:
-        yield
-    finally:
-        if rank is None:
-            del os.environ["RANK"]
-        else:
-            os.environ["RANK"] = rank
 
 
 def _plain_callback_fns(callback_fns: list) -> list:

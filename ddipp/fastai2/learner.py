@@ -1,5 +1,4 @@
 """`Learner.to_ddp` / `Learner.from_ddp` for fastai v2, added with fastcore's @patch (fastai's own extension idiom)."""
-import os
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +13,7 @@ from fastcore.basics import patch
 
 from ..core import dist as ddist
 from ..core.ddp import check_matches_launch, check_options, notebook_devices
-from ..core.files import replacing
+from ..core.files import replacing, writing_as_rank_0
 from ..core.group.wire import BINDING_ATTRS
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 
@@ -82,7 +81,7 @@ class AtomicSave:
     def __call__(self, file, **kwargs):
         learn = self.learn()
         if not isinstance(file, (str, Path)):  # a buffer is this process's own: it gets the bytes on every rank
-            with _as_rank_0():
+            with writing_as_rank_0():
                 return type(learn).save(learn, file, **kwargs)
         if rank_distrib():  # a rank that does not write
             return type(learn).save(learn, file, **kwargs)
@@ -106,20 +105,6 @@ class AtomicExport:
         with _without_ddipp(learn), replacing(learn.path / fname) as f:
             # fastai saves to learn.path/fname: an absolute fname is the temporary file itself (same inode as f)
             type(learn).export(learn, Path(f.name).resolve(), pickle_module, pickle_protocol)
-
-
-@contextmanager
-def _as_rank_0():
-    """fastai's save writes in the block on any rank (it reads RANK, and writes nothing where it is > 0)."""
-    rank = os.environ.get("RANK")
-    os.environ["RANK"] = "0"
-    try:
-        yield
-    finally:
-        if rank is None:
-            del os.environ["RANK"]
-        else:
-            os.environ["RANK"] = rank
 
 
 @contextmanager
