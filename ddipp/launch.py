@@ -318,6 +318,10 @@ def _said(rank: int, failure, log: str | None) -> tuple[int, list[str]]:
     if failure.exitcode < 0 and raised:  # stopped while exiting after its error (a peer's echo ended first)
         return OWN_ERROR, [f"{PROG}: rank {rank} raised and was stopped ({failure.signal_name()}) while it exited; "
                            f"end of {log}:", *tail]
+    told = failure.message.get("extraInfo", {}).get("py_callstack") if isinstance(failure.message, dict) else None
+    if failure.exitcode < 0 and told:  # stopped before its traceback was printed; it wrote its error file first
+        return OWN_ERROR, [f"{PROG}: rank {rank} raised and was stopped ({failure.signal_name()}) while it exited; "
+                           f"its error, from {failure.error_file}:", *told.splitlines()[-TAIL_LINES:]]
     if failure.exitcode < 0:
         return SIGNALLED, [f"{PROG}: rank {rank} stopped ({failure.signal_name()})"]
     if not log:

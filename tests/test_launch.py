@@ -340,6 +340,29 @@ def test_a_rank_stopped_while_it_exited_after_raising_is_reported_with_its_trace
     assert err.rstrip().endswith("rank 2 stopped (SIGTERM)")  # one that did not raise: no log to read
 
 
+def test_a_rank_stopped_before_its_traceback_is_printed_is_reported_first_with_its_error_file(tmp_path, monkeypatch,
+                                                                                              capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddipp.core import dist
+    files = {rank: tmp_path / f"error{rank}.json" for rank in range(2)}
+    for rank, (error, peer) in enumerate([(RuntimeError("Connection closed by peer"), True),
+                                          (ValueError("rank 1 fails on purpose"), False)]):
+        monkeypatch.setenv(dist.ERROR_FILE_ENV, str(files[rank]))
+        try:
+            raise error
+        except Exception as e:
+            dist._tell_launcher(e, "rank 0 stopped because rank 1 failed" if peer else str(e), peer_failure=peer)
+    log = tmp_path / "stderr.log"
+    log.write_text("[rank1]: (its traceback never came)\n")
+    _report({rank: ProcessFailure(rank, 10 + rank, [1, -15][rank], str(files[rank])) for rank in range(2)},
+            {0: "", 1: str(log)})
+    said = capsys.readouterr().err.splitlines()
+    assert said[0] == f"{PROG}: rank 1 raised and was stopped (SIGTERM) while it exited; its error, from {files[1]}:"
+    assert said[1] == "Traceback (most recent call last):" and said[-2:] == [
+        "ValueError: rank 1 fails on purpose", f"{PROG}: rank 0 stopped because rank 1 failed"], said
+
+
 def test_two_nodes_form_one_group(tmp_path):
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     out.mkdir(), tmp.mkdir()

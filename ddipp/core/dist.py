@@ -214,16 +214,19 @@ def leave() -> None:
 
 
 def leave_after(error: BaseException) -> None:
-    """`leave()` after a fit raised `error`. This rank's own error is posted to the group's store first; a peer's
-    failure gets a note naming the rank that failed first and its error (its own log may end before it is written), and
-    ends the script, if nothing catches it, with one line saying so instead of its traceback."""
+    """`leave()` after a fit raised `error`. This rank's own error is posted first, to the group's store and to the
+    launcher (torch elastic's error file); a peer's failure gets a note naming the rank that failed first and its error
+    (its own log may end before it is written), and ends the script, if nothing catches it, with one line saying so
+    instead of its traceback."""
     if not dist.is_initialized():
         return
     store, me, times = dist.distributed_c10d._get_default_store(), dist.get_rank(), 0 if _left is None else _left[2] + 1
     if peer_failure(error):
         _stopped_by_peer(error, me, _first_posted(store, me, times))
     else:
-        store.set(f"ddipp-error{times}/{me}", "".join(traceback.format_exception_only(error)).strip())
+        said = "".join(traceback.format_exception_only(error)).strip()
+        store.set(f"ddipp-error{times}/{me}", said)
+        _tell_launcher(error, said.splitlines()[0])  # now: once the peers learn it, the launcher may stop this rank
     leave()
 
 
@@ -251,16 +254,23 @@ def _in_one_line(error: BaseException, line: str, hook):
     launcher gave one (ddipp.launch prints it after the failed rank's error, the traceback stays in the file), else on
     stderr; any other error as `hook` says it."""
     def say(kind, value, tb):
-        file = os.environ.get(ERROR_FILE_ENV)
         if value is not error:
             hook(kind, value, tb)
-        elif not file:
+        elif not os.environ.get(ERROR_FILE_ENV):
             print(f"ddipp: {line}", file=sys.stderr, flush=True)
         else:
-            stack = "".join(traceback.format_exception(kind, value, tb))
-            Path(file).write_text(json.dumps({PEER_FAILURE_KEY: True, "message": {
-                "message": line, "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}))
+            _tell_launcher(error, line, peer_failure=True)
     return say
+
+
+def _tell_launcher(error: BaseException, line: str, peer_failure: bool = False) -> None:
+    """Write `error` to torch elastic's error file of this rank, where the launcher gave one: `line` and its traceback
+    (ddipp.launch reads them when the rank ended without a word; `peer_failure`: a peer's failure stopped it)."""
+    file = os.environ.get(ERROR_FILE_ENV)
+    if file:
+        stack = "".join(traceback.format_exception(error))
+        Path(file).write_text(json.dumps({PEER_FAILURE_KEY: peer_failure, "message": {
+            "message": line, "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}))
 
 
 class StopRequested(KeyboardInterrupt):
