@@ -15,7 +15,8 @@ def test_two_test_sessions_ending_at_once_both_save_fastais_test_registry(tmp_pa
     from fastai.gen_doc import doctest
     (tmp_path / "fastai").mkdir()
     monkeypatch.setattr(doctest, "__file__", str(tmp_path / "fastai" / "gen_doc" / "doctest.py"))
-    monkeypatch.setattr(doctest.TestRegistry, "registry", {f"fastai.api{i}": [{"file": "t.py", "test": "t", "line": 1}] for i in range(300)})
+    monkeypatch.setattr(doctest.TestRegistry, "registry",
+                        {f"fastai.api{i}": [{"file": "t.py", "test": "t", "line": 1}] for i in range(300)})
     monkeypatch.setattr(doctest.TestRegistry, "registry_save", doctest.TestRegistry.registry_save)
     fastai_suite_plugin.save_registry_in_turns()
     children = []

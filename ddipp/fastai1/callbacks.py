@@ -1,7 +1,8 @@
 """fastai v1 callbacks that make a fit distributed: DistributedCallback, LRFinderBypassCallback, GCCallback.
 
 fastai 1.0.61 reads WORLD_SIZE/RANK itself, and ddipp relies on that where it is right: `save`/`export`
-write a file on rank 0 only (a buffer on every rank: ddipp.fastai1.learner), `load`/`load_data`/`load_learner` wait at a barrier first (so every rank reads what
+write a file on rank 0 only (a buffer on every rank: ddipp.fastai1.learner), `load`/`load_data`/`load_learner`
+wait at a barrier first (so every rank reads what
 rank 0 wrote). It neutralises the rest: validation sees the whole batch on every rank (so fastai's
 per-batch metric all-reduce averages equal values), lr_find is stopped by LRFinderBypassCallback (fastai
 lets it run to the epoch's end under DDP), and Learner.validate(), which calls on_train_begin without

@@ -22,7 +22,8 @@ from fastai.vision.all import ImageDataLoaders, vision_learner, xresnet18
 
 from ddipp.fastai2.loaders import ShardedTrainDL
 
-GLOBAL_BS = dict(lm=32, clas=32, vision=64, tabular=128, tabular_cat=64, collab=128)  # a rank reads GLOBAL_BS // world a step
+# a rank reads GLOBAL_BS // world a step
+GLOBAL_BS = dict(lm=32, clas=32, vision=64, tabular=128, tabular_cat=64, collab=128)
 TOPICS, WORDS = 4, 24
 AWD = dict(emb_sz=32, n_hid=64, n_layers=2, pad_token=1, bidir=False, output_p=0.1, hidden_p=0.1, input_p=0.1,
            embed_p=0.02, weight_p=0.1)
