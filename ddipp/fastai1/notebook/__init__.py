@@ -14,6 +14,6 @@ How one fit flows (each box a module of this package)::
 Commands the notebook sends, each the name of a `Worker` method: "set_context", "keep_data", "fit", "leave", "stop".
 Replies: "ready", "done" (a fit's results, the digests of what each rank keeps), "trained" (rank 0's results as of
 its last completed step, ahead of a failed fit's error), "error" (a pickled exception and its traceback), "out"
-(rank 0's prints) and progress events. The store the workers rendezvous on listens on loopback only, and only
-until every worker has joined.
+(rank 0's prints) and progress events. The store the workers rendezvous on listens on loopback only, for the
+group's life (the ranks meet there again after a failed fit).
 """
