@@ -6,8 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "fastai1" / "workers"  # the v1 scripts the launched fixtures run
@@ -95,3 +98,32 @@ def run_notebook(path: Path, folder: Path, **env: str) -> tuple:
 def notebook_outputs(notebook) -> list:
     """The outputs of a run notebook's code cells, in order."""
     return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+
+
+def image_folder(path: Path) -> Path:
+    """48 random 8x8 RGB images in train/ and valid/ folders of two classes (dark and light)."""
+    rng = np.random.default_rng(0)
+    for i in range(48):
+        label = ("dark", "light")[i % 2]
+        folder = path / ("train" if i < 32 else "valid") / label
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 128, (8, 8, 3)) + 127 * (label == "light")
+        Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i}.png")
+    return path
+
+
+def tiny_cnn() -> nn.Module:
+    """A small CNN of image_folder's images, with dropout (so a resume must restore the random state)."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2),
+                         nn.Linear(64, 2))
+
+
+# The start of a `python -c` program in which ddipp cannot be imported (where a plain fastai user loads a file)
+WITHOUT_DDIPP = """
+import sys
+class NoDdipp:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ddipp":
+            raise ModuleNotFoundError(f"No module named {name!r} (ddipp is not installed here)")
+sys.meta_path.insert(0, NoDdipp())
+"""

@@ -11,11 +11,10 @@ import torch
 from fastai.basic_train import Learner
 from fastai.tabular import Categorify, Normalize, TabularDataBunch, tabular_learner
 from fastai.vision import ImageDataBunch, ImageList
-from PIL import Image
-from torch import nn
 
 import ddipp
 from beyond import StopAt, resume_story
+from conftest import image_folder, tiny_cnn
 from ddipp.core.files import save_atomic
 from ddipp.core.rng import seed_all
 from scenario import TOL, close, max_diff, params
@@ -81,23 +80,6 @@ def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tm
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         learn.fit_one_cycle(4, 1e-2, start_epoch=2)
     assert not marker.exists()
-
-
-def image_folder(path: Path) -> Path:
-    """48 random 8x8 RGB images in train/ and valid/ folders of two classes (dark and light)."""
-    rng = np.random.default_rng(0)
-    for i in range(48):
-        label = ("dark", "light")[i % 2]
-        folder = path / ("train" if i < 32 else "valid") / label
-        folder.mkdir(parents=True, exist_ok=True)
-        pixels = rng.integers(0, 128, (8, 8, 3)) + 127 * (label == "light")
-        Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i}.png")
-    return path
-
-
-def tiny_cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2),
-                         nn.Linear(64, 2))
 
 
 def image_learner(path: Path) -> Learner:

@@ -14,6 +14,7 @@ from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner, load_learner
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import WITHOUT_DDIPP
 from scenario import max_diff, method_facts, params, tabular_digits_learner
 
 
@@ -134,13 +135,8 @@ def test_save_and_export_to_a_buffer_give_every_rank_the_bytes(ranks, tmp_path):
 
 # An exported learner loaded by plain fastai where ddipp cannot be imported (with torch's full load, which fastai
 # 1.0.61 expects of torch.load); its weights saved to the file named last.
-LOAD_WITHOUT_DDIPP = """
-import sys, torch
-class NoDdipp:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "ddipp":
-            raise ModuleNotFoundError(f"No module named {name!r} (ddipp is not installed here)")
-sys.meta_path.insert(0, NoDdipp())
+LOAD_WITHOUT_DDIPP = WITHOUT_DDIPP + """
+import torch
 from fastai.basic_train import load_learner
 folder, name, out = sys.argv[1:]
 learn = load_learner(folder, name)

@@ -21,7 +21,7 @@ import torch
 
 import ddipp
 from ddipp.fastai2.loaders import ShardedEvalDL, ShardedTrainDL
-from conftest import launched_beside
+from conftest import WITHOUT_DDIPP, launched_beside
 from digits import digits_folder  # examples/ is on sys.path (tests/conftest.py)
 
 WORKERS = Path(__file__).parent / "workers"
@@ -121,13 +121,7 @@ def test_the_fits_validation_is_one_processs_on_the_same_weights(runs, app):
 
 
 # A learner the launched ranks exported, loaded by plain fastai where ddipp cannot be imported: its weights' sum.
-LOAD_WITHOUT_DDIPP = """
-import sys
-class NoDdipp:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "ddipp":
-            raise ModuleNotFoundError(f"No module named {name!r} (ddipp is not installed here)")
-sys.meta_path.insert(0, NoDdipp())
+LOAD_WITHOUT_DDIPP = WITHOUT_DDIPP + """
 from fastai.learner import load_learner
 learn = load_learner(sys.argv[1])
 assert "ddipp" not in sys.modules

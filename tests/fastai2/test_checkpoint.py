@@ -16,7 +16,6 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.tabular.all import Categorify, Normalize, TabularDataLoaders, tabular_learner
 from fastai.vision.all import ImageBlock, ImageDataLoaders
-from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -24,6 +23,7 @@ import ddipp
 from ddipp.core.rng import seed_all
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from conftest import image_folder, tiny_cnn  # noqa: E402
 from extras import StopAt, ckpt_learner, launched, resume_story  # noqa: E402
 from fit_story import TOL, close, max_diff, params  # noqa: E402
 
@@ -94,23 +94,6 @@ def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tm
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         learn.fit_one_cycle(4, 1e-2, start_epoch=2, cbs=ddipp.Checkpoint(name="run"))
     assert not marker.exists()
-
-
-def image_folder(path: Path) -> Path:
-    """48 random 8x8 RGB images in train/ and valid/ folders of two classes (dark and light)."""
-    rng = np.random.default_rng(0)
-    for i in range(48):
-        label = ("dark", "light")[i % 2]
-        folder = path / ("train" if i < 32 else "valid") / label
-        folder.mkdir(parents=True, exist_ok=True)
-        pixels = rng.integers(0, 128, (8, 8, 3)) + 127 * (label == "light")
-        Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i}.png")
-    return path
-
-
-def tiny_cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2),
-                         nn.Linear(64, 2))
 
 
 def tensor_learner(path: Path) -> Learner:
