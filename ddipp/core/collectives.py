@@ -7,7 +7,6 @@ from typing import Dict, Union
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from . import dist as ddist
 
@@ -17,6 +16,24 @@ State = Union[torch.Tensor, Dict[str, "State"]]
 def _distributed() -> bool:
     """True in a group of two or more ranks (joined now if the launcher made one)."""
     return ddist.world_size() > 1 and ddist.init()
+
+
+class _Gather(torch.autograd.Function):
+    """Equal-sized tensors gathered along dim 0; the backward pass sums the gathered gradient over ranks and keeps
+    this rank's part. Public collectives only: torch's own autograd gathers are private (funcol, renamed in 2.14),
+    deprecated (torch.distributed.nn) or crash with gloo on CUDA tensors (funcol on torch 2.11, seen on an H200)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        gathered = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
+        dist.all_gather_into_tensor(gathered, tensor.contiguous())
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad.chunk(dist.get_world_size())[dist.get_rank()]
 
 
 def all_gather(tensor: torch.Tensor) -> torch.Tensor:
@@ -29,18 +46,12 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError("all_gather needs a tensor with a batch dimension (dim 0), got a 0-d tensor; gather t[None]")
     if not _distributed():
         return tensor
-    sizes = _gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+    sizes = _Gather.apply(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
     longest = max(sizes)
-    gathered = _gather(torch.cat([tensor, tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))]))
+    gathered = _Gather.apply(torch.cat([tensor, tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))]))
     if len(set(sizes)) == 1:
         return gathered
     return torch.cat([gathered[r * longest:r * longest + n] for r, n in enumerate(sizes)])
-
-
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    """torch's autograd-aware gather of equal-sized tensors along dim 0, waited for."""
-    gathered = funcol.all_gather_single(tensor.contiguous(), 0, dist.group.WORLD)
-    return gathered.wait() if isinstance(gathered, funcol.AsyncCollectiveTensor) else gathered
 
 
 def reduce_sum(state: State) -> State:
