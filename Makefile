@@ -6,7 +6,7 @@ VENV2  ?= .venv2
 PY      = $(VENV)/bin/python
 PY2     = $(VENV2)/bin/python
 
-.PHONY: demo test gpu-check benchmark fastai-ddp-suite
+.PHONY: demo test gpu-check benchmark fastai-ddp-suite matrix
 
 # DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
 # script as one plain process, so the two accuracies print one under the other: fastai v1, then fastai v2
@@ -26,13 +26,13 @@ test: $(VENV)/.installed
 		$(PY) -m pytest tests --ignore=tests/fastai2; s2=$$?; \
 		$(PY2) -m pytest tests/fastai2; s3=$$?; [ $$s1 -eq 0 ] && [ $$s2 -eq 0 ] && exit $$s3
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade 'pip>=23'
 	$(PY) -m pip install --quiet -e '.[fastai1,test]'
 	touch $@
 
-$(VENV2)/.installed: setup.py
+$(VENV2)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV2)
 	$(PY2) -m pip install --quiet --upgrade 'pip>=23'
 	$(PY2) -m pip install --quiet -e '.[fastai2,test]'
@@ -55,3 +55,8 @@ benchmark: $(VENV)/.installed $(VENV2)/.installed
 # if a test failed. About 8 minutes on 2 cores, so not part of `make test`
 fastai-ddp-suite: $(VENV)/.installed
 	$(PY) tools/fastai_suite.py --ddp
+
+# the oldest and the newest stack pyproject.toml declares (tools/matrix.py: virtualenvs in .matrix/, gigabytes of
+# downloads), each running the fastai v2 suite and a fastai v1 subset; writes the table into README.md. Not in CI
+matrix:
+	$(PYTHON) tools/matrix.py
