@@ -6,7 +6,7 @@ VENV2  ?= .venv2
 PY      = $(VENV)/bin/python
 PY2     = $(VENV2)/bin/python
 
-.PHONY: demo test gpu-check benchmark fastai-ddp-suite matrix
+.PHONY: demo test gpu-check benchmark fastai-ddp-suite matrix dist
 
 # DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
 # script as one plain process, so the two accuracies print one under the other: fastai v1, then fastai v2
@@ -26,16 +26,16 @@ test: $(VENV)/.installed
 		$(PY) -m pytest tests --ignore=tests/fastai2; s2=$$?; \
 		$(PY2) -m pytest tests/fastai2; s3=$$?; [ $$s1 -eq 0 ] && [ $$s2 -eq 0 ] && exit $$s3
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints/fastai1.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade 'pip>=23'
-	$(PY) -m pip install --quiet -e '.[fastai1,test]'
+	$(PY) -m pip install --quiet -c constraints/fastai1.txt -e '.[fastai1,test]'
 	touch $@
 
-$(VENV2)/.installed: pyproject.toml
+$(VENV2)/.installed: pyproject.toml constraints/fastai2.txt
 	$(PYTHON) -m venv $(VENV2)
 	$(PY2) -m pip install --quiet --upgrade 'pip>=23'
-	$(PY2) -m pip install --quiet -e '.[fastai2,test]'
+	$(PY2) -m pip install --quiet -c constraints/fastai2.txt -e '.[fastai2,test]'
 	touch $@
 
 # the GPU paths on a host with one GPU (cuda:0 only): one PASS/FAIL/SKIP line per check, SKIP without CUDA; fails if
@@ -60,3 +60,11 @@ fastai-ddp-suite: $(VENV)/.installed
 # downloads), each running the fastai v2 suite and a fastai v1 subset; writes the table into README.md. Not in CI
 matrix:
 	$(PYTHON) tools/matrix.py
+
+# the sdist and the wheel users would install, built by PyPA's build into dist/ and checked by twine (both tools live
+# in .venv-dist). Not in CI
+dist:
+	$(PYTHON) -m venv .venv-dist
+	.venv-dist/bin/pip install --quiet build twine
+	rm -rf dist; .venv-dist/bin/python -m build --outdir dist .
+	.venv-dist/bin/twine check --strict dist/*

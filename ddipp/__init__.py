@@ -6,6 +6,8 @@ major version. Importing ddipp picks the adapter of the installed fastai; the pu
 import sys
 from importlib.metadata import version
 
+__version__ = version("ddipp")  # one number: pyproject.toml's, read from the installed package's metadata
+
 # `python -m ddipp.launch` imports this package first (sys.argv[0] is "-m" while Python locates the
 # module): the launcher needs neither fastai nor its fixes, so it starts in a second, not in ten.
 if sys.argv[:1] != ["-m"]:
@@ -21,6 +23,6 @@ if sys.argv[:1] != ["-m"]:
         from .fastai2 import (Checkpoint, DistributedCallback, GCCallback, GlobalBatchLoss, LRFinderBypassCallback,
                               SumMetric, Throughput, from_ddp, to_ddp)
 
-__all__ = ["rank", "world_size", "is_rank0", "device", "barrier", "to_ddp", "from_ddp", "shutdown",
+__all__ = ["__version__", "rank", "world_size", "is_rank0", "device", "barrier", "to_ddp", "from_ddp", "shutdown",
            "DistributedCallback", "LRFinderBypassCallback", "GCCallback",
            "all_gather", "reduce_sum", "GlobalBatchLoss", "SumMetric", "Checkpoint", "Throughput"]
