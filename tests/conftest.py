@@ -1,7 +1,10 @@
 """Shared fixtures: tiny data sets made on the spot (no downloads), a one-thread torch, and the scenario
 (tests/workers/scenario.py) played once launched on 2 ranks and once in one process, for every module."""
 import contextlib
+import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +130,37 @@ class NoDdipp:
             raise ModuleNotFoundError(f"No module named {name!r} (ddipp is not installed here)")
 sys.meta_path.insert(0, NoDdipp())
 """
+
+
+def quick_start(major: int) -> tuple:
+    """README.md's quick start for fastai v`major`: its notebook block's cells (split at blank lines), its script's
+    file name and code, and its launch command's arguments (the block's one command, comments dropped)."""
+    section = (ROOT / "README.md").read_text().split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    part = section.split(f"\n### fastai v{major}\n", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"^```(\w+)\n(.*?)^```$", part, re.MULTILINE | re.DOTALL)
+    assert [lang for lang, _ in blocks] == ["python", "python", "bash"], blocks
+    (_, notebook), (_, script), (_, command) = blocks
+    [argv] = [args for args in (shlex.split(line, comments=True) for line in command.splitlines()) if args]
+    return [cell.strip() for cell in notebook.split("\n\n")], re.match(r"# (\S+\.py)", script)[1], script, argv
+
+
+def run_quick_start_notebook(major: int, check: str, folder: Path) -> tuple:
+    """The quick start's notebook cells for fastai v`major` run in a Jupyter kernel in `folder`, then `check`, a cell
+    that prints one JSON object: the run cells, and that object."""
+    import nbformat
+    cells = quick_start(major)[0] + [check]
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), folder / "q.ipynb")
+    notebook, _ = run_notebook(folder / "q.ipynb", folder, OMP_NUM_THREADS="1")
+    [printed] = [out.text for out in notebook.cells[-1].outputs if out.get("name") == "stdout"]
+    return notebook.cells, json.loads(printed)
+
+
+def run_quick_start_script(major: int, folder: Path) -> str:
+    """The quick start's script for fastai v`major` written in `folder` and run there by its launch command (its
+    `python` this Python): what it printed."""
+    _, name, script, argv = quick_start(major)
+    assert argv[0] == "python", argv
+    (folder / name).write_text(script)
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=folder, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return proc.stdout
