@@ -137,7 +137,7 @@ def run_all(out: Path) -> dict:
 
 
 def table(ranks: dict) -> str:
-    """The README's markdown table: each variant against the one process."""
+    """The markdown table of docs/benchmarks.md: each variant against the one process."""
     one = ranks["one process"][0]
     rows = ["| variant | how | validation items evaluated (set: 359) | same weights: valid loss, accuracy "
             "(Δ vs one process) | after the fit: valid loss, accuracy (Δ) | parameters max abs Δ | samples/s |",

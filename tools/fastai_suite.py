@@ -1,7 +1,7 @@
 """Run fastai 1.0.61's own test suite, from its source distribution on the package registry, with ddipp.
 
     python tools/fastai_suite.py                  # `import ddipp` first; fails on a test that is not deselected
-    python tools/fastai_suite.py --without-ddipp  # plain fastai: the README's "before" counts
+    python tools/fastai_suite.py --without-ddipp  # plain fastai: the "before" counts of docs/testing.md
     python tools/fastai_suite.py test_core.py     # some test files only
     python tools/fastai_suite.py --ddp            # its training tests under 2-rank DDP (tools/fastai_ddp_suite.py)
 

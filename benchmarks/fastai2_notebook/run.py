@@ -231,7 +231,7 @@ def row(name: str, res: dict) -> str:
 
 
 def table(results: dict) -> str:
-    """The README's markdown table: one row per notebook."""
+    """The markdown table of docs/benchmarks.md: one row per notebook."""
     head = ("| notebook | how | code lines changed from single.ipynb | learner back in the kernel after the fit | "
             "shown in the notebook (HTML) | validation items evaluated (set: 359) | last epoch's valid loss, "
             "accuracy (Δ vs one process on the same weights) | call → first training step | fit, call to return | "
