@@ -144,23 +144,36 @@ def quick_start(major: int) -> tuple:
     return [cell.strip() for cell in notebook.split("\n\n")], re.match(r"# (\S+\.py)", script)[1], script, argv
 
 
-def run_quick_start_notebook(major: int, check: str, folder: Path) -> tuple:
+QUICK_START_BOUND = 0.93  # accuracy only a trained model reaches on the digits (an untrained one guesses 0.1)
+
+
+def check_quick_start_notebook(major: int, check: str, folder: Path) -> None:
     """The quick start's notebook cells for fastai v`major` run in a Jupyter kernel in `folder`, then `check`, a cell
-    that prints one JSON object: the run cells, and that object."""
+    printing a JSON object of the final accuracy, the recorder's training steps, the steps one process takes an epoch
+    and the kernel's ddipp workers: the `to_ddp` cell shows no value (its ';') and says the global batch, and 3
+    epochs on 2 workers took half one process's steps each to a trained model's accuracy."""
     import nbformat
     cells = quick_start(major)[0] + [check]
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), folder / "q.ipynb")
     notebook, _ = run_notebook(folder / "q.ipynb", folder, OMP_NUM_THREADS="1")
     [printed] = [out.text for out in notebook.cells[-1].outputs if out.get("name") == "stdout"]
-    return notebook.cells, json.loads(printed)
+    result = json.loads(printed)
+    [to_ddp] = [cell for cell in notebook.cells if ".to_ddp(" in cell.source]
+    assert "execute_result" not in [out.output_type for out in to_ddp.outputs], to_ddp.outputs
+    assert "ddipp: global batch 64 = 32 per process x 2" in "".join(out.get("text", "") for out in to_ddp.outputs)
+    assert result["workers"] == 2
+    assert result["steps"] == 3 * (result["steps_of_one_process"] // 2), result
+    assert result["accuracy"] >= QUICK_START_BOUND, result
 
 
-def run_quick_start_script(major: int, folder: Path) -> str:
+def check_quick_start_script(major: int, folder: Path) -> None:
     """The quick start's script for fastai v`major` written in `folder` and run there by its launch command (its
-    `python` this Python): what it printed."""
+    `python` this Python) trains on 2 processes to a trained model's accuracy, as it prints."""
     _, name, script, argv = quick_start(major)
     assert argv[0] == "python", argv
     (folder / name).write_text(script)
     proc = subprocess.run([sys.executable, *argv[1:]], cwd=folder, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return proc.stdout
+    processes, accuracy = re.search(r"^(\d+) processes: accuracy ([\d.]+)$", proc.stdout, re.MULTILINE).groups()
+    assert int(processes) == 2, proc.stdout
+    assert float(accuracy) >= QUICK_START_BOUND, proc.stdout
