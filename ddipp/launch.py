@@ -262,7 +262,8 @@ def _loopback_rendezvous(params):
     class LoopbackRendezvous(StaticTCPRendezvous):
         def __init__(self, host: str, port: int, run_id: str, timeout: int, listen_fd: int):
             super().__init__(host, port, rank=0, world_size=1, run_id=run_id, timeout=timeout)
-            self._store = TCPStore(host, port, 1, True, self.timeout, master_listen_fd=listen_fd)
+            # libuv's backend (torch 2.4's default) cannot take a listening socket: the one before it can
+            self._store = TCPStore(host, port, 1, True, self.timeout, master_listen_fd=listen_fd, use_libuv=False)
 
         def get_backend(self) -> str:
             return LOOPBACK_RENDEZVOUS

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from .notes import add_note
+
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
 CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"  # set by the notebook's worker group: a worker's socket to the notebook
 PARENT_PID_ENV = "DDIPP_PARENT_PID"  # set by the notebook's worker group: the notebook's pid (its workers end with it)
@@ -241,10 +243,10 @@ def _first_posted(store: dist.Store, me: int, times: int) -> tuple[int, str] | N
 def _stopped_by_peer(error: BaseException, me: int, failed: tuple[int, str] | None) -> None:
     """Note on `error` which rank failed first, with what, and have `error` end the script in one line saying so."""
     if failed:
-        error.add_note(f"ddipp: this rank stopped because rank {failed[0]} failed, with:\n{failed[1]}")
+        add_note(error, f"ddipp: this rank stopped because rank {failed[0]} failed, with:\n{failed[1]}")
         line = f"rank {me} stopped because rank {failed[0]} failed ({failed[1].splitlines()[0]})"
     else:
-        error.add_note("ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
+        add_note(error, "ddipp: this rank stopped because another rank failed; that rank's error is the one to read")
         line = f"rank {me} stopped because another rank failed"
     sys.excepthook = _in_one_line(error, line, sys.excepthook)
 

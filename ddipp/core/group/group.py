@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .. import dist as ddist
 from ..files import owned_dir_prefix, sweep_stale_dirs
+from ..notes import add_note
 from .wire import digest, dumps, receive, send
 
 START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
@@ -273,14 +274,15 @@ class WorkerGroup:
 def _loopback_store() -> dist.TCPStore:
     """The rendezvous store of a new group, listening on 127.0.0.1 only at a port the OS picks.
 
-    torch's TCPStore listens on every interface whatever host it is given, so it gets a socket bound here."""
+    torch's TCPStore listens on every interface whatever host it is given, so it gets a socket bound here. Its
+    libuv backend (torch 2.4's default) cannot take that socket, so the store uses the one before it."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
         fd = listener.detach()  # the store owns it from here, and closes it when released
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                         timeout=timedelta(seconds=START_TIMEOUT))
+                         use_libuv=False, timeout=timedelta(seconds=START_TIMEOUT))
 
 
 def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) -> BaseException:
@@ -291,7 +293,7 @@ def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) ->
         error = None
     if not isinstance(error, BaseException):
         error = WorkerError(f"ddipp worker rank {rank} raised an exception that could not be rebuilt here")
-    error.add_note(f"(raised on rank {rank} of the ddipp worker group; the remote traceback is above)")
+    add_note(error, f"(raised on rank {rank} of the ddipp worker group; the remote traceback is above)")
     error.__cause__ = RemoteTraceback(remote_traceback)
     return error
 

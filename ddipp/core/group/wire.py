@@ -11,6 +11,8 @@ import copyreg
 import hashlib
 import io
 import pickle
+import re
+import types
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection
@@ -126,14 +128,28 @@ def _weakref_to(obj: Any) -> weakref.ref:
     return weakref.ref(obj) if obj is not None else weakref.ref(_Gone())  # a dead ref stays dead
 
 
+def _with_annotation_globals(func: types.FunctionType, reduced):
+    """cloudpickle's reduction of `func`, its globals joined by the names its string annotations read (cloudpickle
+    sends only those its code reads). A module with `from __future__ import annotations` makes them strings, which
+    fastcore evaluates: fastai 2.7's `PILBase.create` (sent by value) failed on the workers with "name 'Path' is not
+    defined"."""
+    if reduced is NotImplemented:  # sent by reference: the receiver imports it, with its module's globals
+        return reduced
+    names = {name for note in func.__annotations__.values() if isinstance(note, str)
+             for name in re.findall(r"[A-Za-z_]\w*", note)}
+    reduced[2][1]["__globals__"].update({name: func.__globals__[name] for name in names if name in func.__globals__})
+    return reduced
+
+
 def _delegated_attributes(obj: Any):
     """The attributes of an instance (not a class) of a plain class (no metaclass: no enum) that forwards unknown
-    attributes (`__getattr__`) and has no pickling of its own, else None. Pickle looks `__setstate__` up on the
-    half-built object, whose `__getattr__` then reads an attribute not set yet and recurses for ever: fastai's
-    `LanguageModelPreLoader` (so any text LM data) does that."""
+    attributes (`__getattr__`) and has no `__getstate__` or reduction of its own, else None. Pickle looks
+    `__setstate__` up on the half-built object, whose `__getattr__` then reads an attribute not set yet and recurses
+    for ever: fastai's `LanguageModelPreLoader` (so any text LM data) does that. And before Python 3.11 (no
+    `object.__getstate__`) pickle takes `__getstate__` from the object, so from what it forwards to: fastai v1's
+    `OptimWrapper` travelled as its torch optimizer's state."""
     cls = type(obj)
-    if not (not isinstance(obj, type) and type(cls) is type
-            and hasattr(cls, "__getattr__") and not hasattr(cls, "__setstate__")
+    if not (not isinstance(obj, type) and type(cls) is type and hasattr(cls, "__getattr__")
             and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
             and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)):
         return None
@@ -187,9 +203,12 @@ class _Pickler(cloudpickle.Pickler):
             return _nothing, ()
         if obj is self.learner:
             return copyreg.__newobj__, (type(obj),), travelling_state(obj)
+        if isinstance(obj, types.FunctionType):
+            return _with_annotation_globals(obj, super().reducer_override(obj))
         state = _delegated_attributes(obj)
-        if state is not None:  # set by _set_attributes: pickle then never asks the object for __setstate__
-            return copyreg.__newobj__, (type(obj),), state, None, None, _set_attributes
+        if state is not None:  # without a __setstate__ of its own, set by _set_attributes: pickle then never asks
+            setter = None if hasattr(type(obj), "__setstate__") else _set_attributes  # the object for one
+            return copyreg.__newobj__, (type(obj),), state, None, None, setter
         return super().reducer_override(obj)
 
 
@@ -285,7 +304,8 @@ def digest(blob: bytes, buffers: List[pickle.PickleBuffer]) -> str:
 def travelling_state(learn: Any) -> dict:
     """The learner's attributes as its class pickles them (fastai v2 leaves out its lock), without ddipp's binding
     to its worker group."""
-    own = type(learn).__getstate__ is not object.__getstate__
+    getstate = getattr(type(learn), "__getstate__", None)
+    own = getstate is not None and getstate is not getattr(object, "__getstate__", None)  # object's: Python 3.11+
     return {k: v for k, v in (learn.__getstate__() if own else vars(learn)).items() if k not in BINDING_ATTRS}
 
 

@@ -109,10 +109,11 @@ class Worker:
 
     def leave(self) -> None:
         """Leave the process group (the next fit forms a new one through the notebook's store) and hang up on the
-        other ranks, so that a rank waiting for this one in a collective fails now instead of at the timeout."""
+        other ranks, so that a rank waiting for this one in a collective fails now instead of at the timeout. It hangs
+        up first: torch 2.4's gloo, destroyed with a collective in flight (DDP's), waits for it with no end."""
         from ddipp.core import dist
-        dist.leave()
         _hang_up(int(os.environ["MASTER_PORT"]))
+        dist.leave()
 
 
 def _hang_up(store_port: int) -> None:
