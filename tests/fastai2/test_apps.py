@@ -157,7 +157,7 @@ def lm_one(tmp_path_factory):
 def _lm_batches(dl, order) -> list:
     """The input batches of `dl`, one process's language-model loader, when the documents are in `order`."""
     dl.shuffle = False
-    dl.items.idxs[:] = order  # in place: the lengths share the list
+    dl.items.idxs.items[:] = order  # in place: the lengths share the list (fastai 2.7's fastcore: no L[:] = ...)
     dl.make_chunks()
     return [x for x, _ in dl]
 

@@ -17,6 +17,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import ddipp
+
 
 TOL = 1e-5  # how close a 2-rank number must be to the one-process number (float summation order differs)
 
@@ -127,6 +129,7 @@ def exported(learn):
     `validate`, `save` and `export` are (name, docstring, signature)."""
     learn.fit(1, 1e-2)
     learn.export("final.pkl")
+    ddipp.barrier()  # fastai's export writes on rank 0 alone and waits for no one: rank 1 loads the file below
     saved, exported_ = io.BytesIO(), io.BytesIO()
     learn.save(saved)
     learn.export(exported_)
