@@ -29,7 +29,8 @@ AT_MOST = {"mse"}  # bounds from above; the others are bounds from below
 # torch.jit.script, which fastai.layers uses when fastai is imported; tensors fastai makes of a pandas 3 frame's
 # read-only arrays (tabular, collab). Rank 0 meets the second one again in its first fit, and its stderr is relayed.
 FASTAI_WARNINGS = (r"FutureWarning: `torch\.jit\.script` is deprecated", r"UserWarning: The given NumPy array is not "
-                   r"writable, and PyTorch does not support non-writable tensors")
+                   r"writable, and PyTorch does not support non-writable tensors",
+                   r"FutureWarning: You are using `torch\.load` with `weights_only=False`")  # fastai 2.7 on torch < 2.6
 WARNING = re.compile(r"^\S+:\d+: (\w+: .*)\n(?:  .*\n)?", re.MULTILINE)  # what warnings.showwarning writes
 
 
