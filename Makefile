@@ -56,8 +56,10 @@ benchmark: $(VENV)/.installed $(VENV2)/.installed
 fastai-ddp-suite: $(VENV)/.installed
 	$(PY) tools/fastai_suite.py --ddp
 
-# the oldest and the newest stack pyproject.toml declares (tools/matrix.py: virtualenvs in .matrix/, gigabytes of
-# downloads), each running the fastai v2 suite and a fastai v1 subset; writes the table into README.md. Not in CI
+# the oldest and the newest stack pyproject.toml declares (tools/matrix.py: four virtualenvs in .matrix/, 6 GB each
+# with torch's CUDA wheels, about 2 minutes each to install here, reused after), each running the fastai v2 suite and
+# a fastai v1 subset (about 11 minutes in all on 2 cores); writes the table into README.md, fails if a test failed.
+# Not in CI
 matrix:
 	$(PYTHON) tools/matrix.py
 
