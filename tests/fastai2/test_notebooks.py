@@ -30,7 +30,8 @@ AT_MOST = {"mse"}  # bounds from above; the others are bounds from below
 # read-only arrays (tabular, collab). Rank 0 meets the second one again in its first fit, and its stderr is relayed.
 FASTAI_WARNINGS = (r"FutureWarning: `torch\.jit\.script` is deprecated", r"UserWarning: The given NumPy array is not "
                    r"writable, and PyTorch does not support non-writable tensors",
-                   r"FutureWarning: You are using `torch\.load` with `weights_only=False`")  # fastai 2.7 on torch < 2.6
+                   r"FutureWarning: You are using `torch\.load` with `weights_only=False`",  # fastai 2.7 on torch < 2.6
+                   r"FutureWarning: Downcasting object dtype arrays on \.fillna")  # fastai 2.8.10's tabular on pandas 2
 WARNING = re.compile(r"^\S+:\d+: (\w+: .*)\n(?:  .*\n)?", re.MULTILINE)  # what warnings.showwarning writes
 
 
