@@ -44,7 +44,7 @@ class Stack:
 
 STACKS = [
     Stack("oldest", "3.10.13",
-          {"torch": "2.4.1", "torchvision": "0.19.1", "fastprogress": "1.0.3", "cloudpickle": "3.0.0"},
+          {"torch": "2.7.1", "torchvision": "0.22.1", "fastprogress": "1.0.3", "cloudpickle": "3.0.0"},
           {"v1": "1.0.61", "v2": "2.8.10"}),
     Stack("newest", "3.12.1",
           {"torch": "2.15.0", "torchvision": "0.29.2", "fastprogress": "1.1.6", "cloudpickle": "3.1.3"},
