@@ -25,6 +25,7 @@ from fastprogress.fastprogress import MasterBar, ProgressBar
 from torch import nn
 
 BINDING_ATTRS = ("fit", "ddp")  # what Learner.to_ddp adds to a notebook's learner
+_OBJECT_GETSTATE = getattr(object, "__getstate__", None)  # Python 3.11's; a class without its own shares it (or None)
 HELD_MIN_BYTES = 1024  # a smaller tensor travels whole: naming it by digest would save next to nothing
 _receiver_device = torch.device("cpu")  # where CUDA tensors land while `loads` runs
 _receiver_held: Optional["HeldTensors"] = None  # the tensors a `loads` may take by digest
@@ -151,7 +152,7 @@ def _delegated_attributes(obj: Any):
     cls = type(obj)
     if not (not isinstance(obj, type) and type(cls) is type and hasattr(cls, "__getattr__")
             and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
-            and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)):
+            and getattr(cls, "__getstate__", None) is _OBJECT_GETSTATE):
         return None
     try:
         return dict(object.__getattribute__(obj, "__dict__"))  # never through its __getattr__
@@ -304,8 +305,7 @@ def digest(blob: bytes, buffers: List[pickle.PickleBuffer]) -> str:
 def travelling_state(learn: Any) -> dict:
     """The learner's attributes as its class pickles them (fastai v2 leaves out its lock), without ddipp's binding
     to its worker group."""
-    getstate = getattr(type(learn), "__getstate__", None)
-    own = getstate is not None and getstate is not getattr(object, "__getstate__", None)  # object's: Python 3.11+
+    own = getattr(type(learn), "__getstate__", None) is not _OBJECT_GETSTATE
     return {k: v for k, v in (learn.__getstate__() if own else vars(learn)).items() if k not in BINDING_ATTRS}
 
 
