@@ -57,8 +57,8 @@ fastai-ddp-suite: $(VENV)/.installed
 	$(PY) tools/fastai_suite.py --ddp
 
 # the oldest and the newest stack pyproject.toml declares (tools/matrix.py: four virtualenvs in .matrix/, 6 GB each
-# with torch's CUDA wheels, about 2 minutes each to install here, reused after), each running the fastai v2 suite and
-# a fastai v1 subset (about 11 minutes in all on 2 cores); writes the table into README.md, fails if a test failed.
+# with torch's CUDA wheels, about 2 minutes each to install here, reused after), each running the fastai v2 suite, and
+# a fastai v1 subset with the core and launcher tests; writes the table into README.md, fails if a test failed.
 # Not in CI
 matrix:
 	$(PYTHON) tools/matrix.py

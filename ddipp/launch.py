@@ -40,6 +40,7 @@ are removed.
 import argparse
 import os
 import shutil
+import signal
 import socket
 import sys
 import uuid
@@ -222,7 +223,7 @@ def run(config: Config, listener: socket.socket | None) -> int:
     try:
         elastic_launch(launch_config, sys.executable)("-u", config.script, *config.script_args)
     except ChildFailedError as e:
-        _report(e.failures, logs.stderrs)
+        _report({**_ended_while_exiting(logs.error_files, e.failures), **e.failures}, logs.stderrs)
         return 1
     except SignalException as e:
         return 128 + e.sigval
@@ -281,10 +282,12 @@ def _rank_logs(config: Config):
         """Prints the log files' paths each time the group (re)starts."""
 
         stderrs: dict[int, str] = {}  # local rank -> its stderr log ("" when it prints to the terminal)
+        error_files: dict[int, tuple[int, str]] = {}  # local rank -> (its rank, its error file)
 
         def reify(self, envs):
             dest = super().reify(envs)
             self.stderrs = dest.stderrs
+            self.error_files = {i: (int(envs[i]["RANK"]), dest.error_files[i]) for i in envs}
             files = [f"rank {envs[i]['RANK']}: {dest.stdouts[i]} {dest.stderrs[i]}" for i in sorted(envs)
                      if dest.stdouts[i]]
             if files:
@@ -305,6 +308,18 @@ def _report(failures: dict, stderrs: dict[int, str]) -> None:
     said = [_said(rank, failure, stderrs.get(failure.local_rank)) for rank, failure in sorted(failures.items())]
     for _, lines in sorted(said, key=lambda order_lines: order_lines[0]):
         print(*lines, sep="\n", file=sys.stderr)
+
+
+def _ended_while_exiting(error_files: dict[int, tuple[int, str]], failures: dict) -> dict:
+    """The ranks elastic left out of `failures` that had raised: a peer they stopped exited first, and elastic ended the
+    group (SIGTERM) while they still exited. `error_files`: local rank -> (rank, its error file); rank -> failure."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from .core.dist import PEER_FAILURE_KEY
+
+    ended = {rank: ProcessFailure(local_rank, 0, -signal.SIGTERM, file)  # its pid is not told: 0
+             for local_rank, (rank, file) in error_files.items() if rank not in failures and Path(file).is_file()}
+    return {rank: failure for rank, failure in ended.items() if not failure.error_file_data.get(PEER_FAILURE_KEY)}
 
 
 def _said(rank: int, failure, log: str | None) -> tuple[int, list[str]]:

@@ -317,6 +317,18 @@ def test_the_failing_ranks_error_comes_first_and_the_rank_it_stopped_says_so_in_
                                                                                       "call last):"]
 
 
+def test_a_rank_that_raised_and_was_still_exiting_when_the_rank_it_stopped_ended_is_reported_first(tmp_path):
+    # elastic reports only the ranks that ended before it stopped the group: here rank 0 alone
+    rc, _, stderr = finish(launch("--nproc", 2, PEER_FAIL, "stuck-exiting", tmp=tmp_path))
+    assert rc == 1
+    lines = stderr.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith(f"{PROG}: rank ")]
+    assert [lines[i] for i in said][-1] == (f"{PROG}: rank 0 stopped because rank 1 failed (ValueError: rank 1 fails "
+                                            "on purpose)"), stderr
+    assert lines[said[0]].startswith(f"{PROG}: rank 1 raised and was stopped (SIGTERM) while it exited; end of"), stderr
+    assert lines.index("[rank1]: ValueError: rank 1 fails on purpose") < said[-1]
+
+
 def test_a_restarted_group_forms_and_one_that_cannot_fails_within_the_timeout_naming_the_absent_rank(tmp_path):
     rc, stdout, stderr = finish(launch("--nproc", 2, "--max-restarts", 2, "--timeout", 15, RESTART, tmp=tmp_path))
     assert rc == 0, stderr[-3000:]  # attempt 2 ended well on both ranks

@@ -227,8 +227,8 @@ def leave_after(error: BaseException) -> None:
         _stopped_by_peer(error, me, _first_posted(store, me, times))
     else:
         said = "".join(traceback.format_exception_only(error)).strip()
+        _tell_launcher(error, said.splitlines()[0])  # first: once the peers learn it, the launcher may stop this rank
         store.set(f"ddipp-error{times}/{me}", said)
-        _tell_launcher(error, said.splitlines()[0])  # now: once the peers learn it, the launcher may stop this rank
     leave()
 
 
