@@ -54,6 +54,11 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([gathered[r * longest:r * longest + n] for r, n in enumerate(sizes)])
 
 
+
+def all_gather_each(x):
+    """`all_gather` of the tensor `x`, or of each tensor of the list or tuple `x` (a fastai batch's parts)."""
+    return type(x)(all_gather(o) for o in x) if isinstance(x, (list, tuple)) else all_gather(x)
+
 def reduce_sum(state: State) -> State:
     """`state` (a tensor or a dict of them, nested) summed over all ranks; the inputs are left as they were.
 

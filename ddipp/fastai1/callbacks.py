@@ -15,7 +15,6 @@ from functools import partial
 
 import fastprogress.fastprogress
 import numpy as np
-import torch
 import torch.distributed as dist
 from fastai.basic_train import Learner, LearnerCallback
 from fastai.callback import SmoothenValue
@@ -28,6 +27,7 @@ from ..core import dist as ddist
 from ..core.sharding import pad_to_longest, shared_seed, unshard
 from ..core.ddp import LR_FIND_MODES, wrap
 from ..core.files import UnnamedFile
+from ..core.fit import global_loss_and_stop, meet_at_end
 from ..core.memory import release_memory
 from .loaders import repeat_passes, shard_eval_loader, shard_train_loader
 
@@ -126,12 +126,9 @@ class DistributedCallback(LearnerCallback):
     def on_backward_begin(self, last_loss, **kwargs):
         if not self.distributed:
             return
-        loss_and_stop = torch.stack([last_loss.detach().float(), last_loss.new_tensor(ddist.stop_requested()).float()])
-        dist.all_reduce(loss_and_stop)  # a stop asked on any rank reaches every rank at this same step
-        loss, stop = loss_and_stop.cpu()
-        self.global_loss = loss if self.summed_loss else loss / self.world_size  # the loss of the global batch
+        loss, self.stopping = global_loss_and_stop(last_loss, self.summed_loss, self.world_size)
+        self.global_loss = loss.cpu()
         self.smoother.add_value(self.global_loss)
-        self.stopping = bool(stop)
         return {"smooth_loss": self.smoother.smooth}
 
     def on_batch_end(self, train: bool, last_loss, **kwargs):
@@ -148,13 +145,8 @@ class DistributedCallback(LearnerCallback):
             return
         if exception:  # before any other callback's collective could wait for a peer
             ddist.leave_after(exception)
-            return
-        try:  # what rank 0 wrote during the fit exists for all (SaveModelCallback's on_train_end looks for it)
-            dist.barrier()
-        except Exception as e:
-            if ddist.peer_failure(e):  # a rank failed at the very end
-                ddist.leave()
-            raise
+        else:  # SaveModelCallback's on_train_end looks for what rank 0 wrote
+            meet_at_end()
 
 
 def distributed_fit(learn: Learner):

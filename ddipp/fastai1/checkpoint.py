@@ -1,14 +1,15 @@
 """Checkpoint: a fit that can be resumed where it stopped, with the same result as if it had not stopped."""
 from pathlib import Path
 
-import torch
 from fastai.basic_train import Learner, LearnerCallback
-from fastai.torch_core import get_model
 
 from ..core import dist as ddist
+from ..core.checkpoint import read_checkpoint
 from ..core.files import save_atomic
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
+from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit
+from .state import load_opt_state_dict, opt_state_dict
 
 
 class Checkpoint(LearnerCallback):
@@ -26,21 +27,14 @@ class Checkpoint(LearnerCallback):
     def on_epoch_end(self, epoch: int, iteration: int, **kwargs) -> None:
         rngs = every_rank(rng_state())  # a collective: every rank takes part, rank 0 writes
         if ddist.is_rank0():
-            save_atomic(dict(model=get_model(self.learn.model).state_dict(), opt=self.learn.opt.opt.state_dict(),
+            save_atomic(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
                              epoch=epoch + 1, iteration=iteration, rngs=rngs, shuffle_seed=self._sampler_seed()),
                         self.path)
 
     def jump_to_epoch(self, epoch: int) -> None:
-        ddist.barrier()  # the file rank 0 wrote last is complete
-        if not self.path.exists():
-            raise FileNotFoundError(f"start_epoch={epoch}: no checkpoint at {self.path}; fit from the start "
-                                    "(no start_epoch) or give Checkpoint the name the interrupted fit used")
-        state = torch.load(self.path, map_location="cpu", weights_only=True)  # tensors and lists only: runs no code
-        if state["epoch"] != epoch:
-            raise ValueError(f"start_epoch={epoch}, but {self.path} holds the state after epoch {state['epoch']}; "
-                             f"pass start_epoch={state['epoch']}")
-        get_model(self.learn.model).load_state_dict(state["model"])
-        self.learn.opt.opt.load_state_dict(state["opt"])
+        state = read_checkpoint(self.path, epoch)
+        load_model_state(self.learn.model, state["model"])
+        load_opt_state_dict(self.learn, state["opt"])
         rngs = this_rank(state["rngs"], self.path)
         if rngs is not None:
             set_rng_state(rngs)

@@ -1,7 +1,7 @@
 """GlobalBatchLoss: the learner's loss, written as for one process, sees the global batch while training under DDP."""
 from fastai.basic_train import LearnerCallback
 
-from ..core.collectives import all_gather
+from ..core.collectives import all_gather_each
 from .callbacks import distributed_fit
 
 
@@ -17,13 +17,9 @@ class GlobalBatchLoss(LearnerCallback):
 
     def on_batch_begin(self, last_target, train: bool, **kwargs):
         if self._gathering(train):
-            return {"last_target": _map(all_gather, last_target)}
+            return {"last_target": all_gather_each(last_target)}
 
     def on_loss_begin(self, last_output, train: bool, **kwargs):
         if self._gathering(train):
-            return {"last_output": _map(all_gather, last_output)}
+            return {"last_output": all_gather_each(last_output)}
 
-
-def _map(f, x):
-    """`f` applied to the tensor `x`, or to each tensor of the list/tuple `x`."""
-    return type(x)(f(o) for o in x) if isinstance(x, (list, tuple)) else f(x)

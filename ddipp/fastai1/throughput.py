@@ -4,13 +4,14 @@ import itertools
 import time
 
 import torch
-import torch.distributed as dist
 from fastai.basic_train import Learner, LearnerCallback
 from fastai.torch_core import add_metrics
 
 from ..core import dist as ddist
-from ..core.collectives import reduce_sum
+from ..core.state import load_model_state, model_state
+from ..core.throughput import global_counts, rank0_rate, say_comparison
 from .callbacks import distributed_fit
+from .state import load_opt_state_dict, opt_state_dict
 
 
 class Throughput(LearnerCallback):
@@ -30,9 +31,7 @@ class Throughput(LearnerCallback):
     def on_train_begin(self, pbar, **kwargs) -> None:
         self.learn.recorder.add_metric_names(["samples", "distinct", "samples/s"])
         if self.compare_batches and pbar is not None and ddist.world_size() > 1 and ddist.init():
-            self.single_rate = [self._time_one_process() if ddist.is_rank0() else None]
-            dist.broadcast_object_list(self.single_rate, src=0)  # the other ranks wait for rank 0's timing
-            self.single_rate = self.single_rate[0]
+            self.single_rate = rank0_rate(self._time_one_process)
 
     def on_epoch_begin(self, **kwargs) -> None:
         self.count, self.start, self.elapsed = 0, time.perf_counter(), 0.0
@@ -48,9 +47,8 @@ class Throughput(LearnerCallback):
     def on_epoch_end(self, epoch: int, last_metrics, **kwargs):
         samples, distinct, elapsed = self._global_counts()
         rate = round(samples / elapsed) if elapsed else None
-        if epoch == 0 and self.single_rate and ddist.is_rank0():
-            print(f"ddipp throughput: {ddist.world_size()} ranks {rate} samples/s, 1 process {round(self.single_rate)} "
-                  f"samples/s (over {self.compare_batches} batches): {rate / self.single_rate:.2f}x")
+        if epoch == 0 and self.single_rate:
+            say_comparison(rate, self.single_rate, self.compare_batches)
         return add_metrics(last_metrics, [samples, distinct, rate])
 
     def _global_counts(self):
@@ -58,19 +56,14 @@ class Throughput(LearnerCallback):
         ddp = distributed_fit(self.learn)
         if ddp is None:  # one process: its sampler draws each item at most once per epoch
             return self.count, self.count, self.elapsed
-        sampler, device = ddp.train_sampler, ddist.device()  # NCCL reduces only tensors on the rank's GPU
-        seen = torch.zeros(len(sampler.sampler), dtype=torch.int32, device=device)
-        seen[torch.tensor(list(sampler), dtype=torch.int64, device=device)[:self.count]] = 1
-        totals = reduce_sum(dict(seen=seen, count=torch.tensor(self.count, device=device)))
-        elapsed = torch.tensor(self.elapsed, dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return int(totals["count"]), int((totals["seen"] > 0).sum()), float(elapsed)
+        sampler = ddp.train_sampler
+        return global_counts(len(sampler.sampler), list(sampler), self.count, self.elapsed)
 
     def _time_one_process(self) -> float:
         """Samples/s of `compare_batches` training steps of this process alone; the model and optimizer are put back."""
         learn = self.learn
-        model, opt = learn.model, learn.opt.opt
-        states = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        model = learn.model
+        states = copy.deepcopy((model_state(model), opt_state_dict(learn)))
         count, start = 0, None
         model.train()
         with torch.random.fork_rng(devices=[]):
@@ -86,8 +79,8 @@ class Throughput(LearnerCallback):
                     count += _batch_size(yb)
             _synchronize()
             elapsed = time.perf_counter() - start
-        model.load_state_dict(states[0])
-        opt.load_state_dict(states[1])
+        load_model_state(model, states[0])
+        load_opt_state_dict(learn, states[1])
         return count / elapsed
 
 

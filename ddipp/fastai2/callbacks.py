@@ -10,21 +10,22 @@ import copy
 import os
 from contextlib import ExitStack, contextmanager
 
-import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import CSVLogger, ProgressCallback, ShowGraphCallback
 from fastai.callback.schedule import LRFinder
 from fastai.callback.training import GradientAccumulation
 from fastai.data.load import DataLoader
-from fastai.torch_core import get_model
 
 from ..core import dist as ddist
 from ..core.sharding import shared_seed, unshard
 from ..core.ddp import LR_FIND_MODES, wrap
 from ..core.files import UnnamedFile
+from ..core.fit import global_loss_and_stop, meet_at_end
 from ..core.memory import release_memory
+from ..core.state import load_model_state, model_state
 from .loaders import ShardedEvalDL, ShardedTrainDL, WholeEvalDL, splittable
+from .state import load_opt_state_dict, opt_state_dict
 
 
 class DistributedCallback(Callback):
@@ -95,15 +96,8 @@ class DistributedCallback(Callback):
         ddist.leave_after(error)
 
     def _meet_at_end(self) -> None:
-        """Every rank ends the fit together: what rank 0 wrote during it exists for all."""
-        if not (self.joined and dist.is_initialized()):
-            return
-        try:
-            dist.barrier()
-        except Exception as e:
-            if ddist.peer_failure(e):  # a rank failed at the very end
-                ddist.leave()
-            raise
+        if self.joined and dist.is_initialized():
+            meet_at_end()
 
     def before_fit(self) -> None:
         if not self.in_fit or not ddist.init() or dist.get_world_size() < 2:
@@ -182,12 +176,8 @@ class DistributedCallback(Callback):
         learn = self.learn
         if not (self.running and learn.training):
             return
-        stop = learn.loss.new_tensor(ddist.stop_requested()).float()
-        loss_and_stop = torch.stack([learn.loss.detach().float(), stop])
-        dist.all_reduce(loss_and_stop)
-        loss, stop = loss_and_stop
-        learn.loss = (loss if self.summed_loss else loss / self.world_size).to(learn.loss.dtype)
-        self.stopping = bool(stop)
+        loss, self.stopping = global_loss_and_stop(learn.loss, self.summed_loss, self.world_size)
+        learn.loss = loss.to(learn.loss.dtype)
 
     def before_validate(self) -> None:
         learn = self.learn
@@ -303,12 +293,12 @@ class LRFinderBypassCallback(Callback):
 
 def _state(learn) -> dict:
     """A copy of the weights and the optimizer state, as fastai's LRFinder saves them."""
-    return copy.deepcopy(dict(model=get_model(learn.model).state_dict(), opt=learn.opt.state_dict()))
+    return copy.deepcopy(dict(model=model_state(learn.model), opt=opt_state_dict(learn)))
 
 
 def _set_state(learn, state: dict) -> None:
-    get_model(learn.model).load_state_dict(state["model"])
-    learn.opt.load_state_dict(state["opt"])
+    load_model_state(learn.model, state["model"])
+    load_opt_state_dict(learn, state["opt"])
 
 
 _RECORDED = ("lrs", "iters", "losses", "values")

@@ -7,13 +7,16 @@ import numpy as np
 import torch
 from fastai.callback.core import Callback
 from fastai.learner import SkipToEpoch
-from fastai.torch_core import get_model, to_device
+from fastai.torch_core import to_device
 from fastcore.foundation import L
 
 from ..core import dist as ddist
+from ..core.checkpoint import read_checkpoint
 from ..core.files import save_atomic
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
+from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit
+from .state import load_opt_state_dict, opt_state_dict
 
 
 class Checkpoint(Callback):
@@ -50,25 +53,17 @@ class Checkpoint(Callback):
         rngs = every_rank([rng_state(), _loader_rng(self.learn)])  # a collective: every rank takes part, rank 0 writes
         if ddist.is_rank0():
             smooth = self.learn.recorder.smooth_loss
-            save_atomic(_plain(dict(model=get_model(self.learn.model).state_dict(), opt=self.learn.opt.state_dict(),
+            save_atomic(_plain(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
                                     epoch=self.epoch + 1, train_iter=self.learn.train_iter,
                                     smooth_loss=[smooth.count, smooth.val], rngs=rngs,
                                     shuffle_seed=self._shuffle_seed())),
                         self.file)
 
     def _load(self):
-        epoch = self.epoch
-        ddist.barrier()  # the file rank 0 wrote last is complete
-        if not self.file.exists():
-            raise FileNotFoundError(f"start_epoch={epoch}: no checkpoint at {self.file}; fit from the start "
-                                    "(no start_epoch) or give Checkpoint the name the interrupted fit used")
-        state = torch.load(self.file, map_location="cpu", weights_only=True)  # tensors and lists only: runs no code
-        if state["epoch"] != epoch:
-            raise ValueError(f"start_epoch={epoch}, but {self.file} holds the state after {state['epoch']} epochs; "
-                             f"pass start_epoch={state['epoch']}")
-        get_model(self.learn.model).load_state_dict(state["model"])
+        state = read_checkpoint(self.file, self.epoch)
+        load_model_state(self.learn.model, state["model"])
         opt = to_device(state["opt"], next(self.learn.model.parameters()).device)  # on the parameters' device
-        self.learn.opt.load_state_dict(dict(opt, hypers=L(opt["hypers"])))
+        load_opt_state_dict(self.learn, dict(opt, hypers=L(opt["hypers"])))
         self.learn.train_iter = state["train_iter"]
         smooth = self.learn.recorder.smooth_loss
         smooth.count, smooth.val = state["smooth_loss"]

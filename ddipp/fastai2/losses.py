@@ -1,7 +1,7 @@
 """GlobalBatchLoss: the learner's loss, written as for one process, sees the global batch while training under DDP."""
 from fastai.callback.core import Callback
 
-from ..core.collectives import all_gather
+from ..core.collectives import all_gather_each
 from .callbacks import distributed_fit
 
 
@@ -16,10 +16,6 @@ class GlobalBatchLoss(Callback):
 
     def after_pred(self):
         if distributed_fit(self.learn) is not None:
-            self.learn.pred = _map(all_gather, self.pred)
-            self.learn.yb = _map(all_gather, self.yb)
+            self.learn.pred = all_gather_each(self.pred)
+            self.learn.yb = all_gather_each(self.yb)
 
-
-def _map(f, x):
-    """`f` applied to the tensor `x`, or to each tensor of the list/tuple `x`."""
-    return type(x)(f(o) for o in x) if isinstance(x, (list, tuple)) else f(x)

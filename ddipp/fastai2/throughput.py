@@ -4,15 +4,16 @@ import itertools
 import time
 
 import torch
-import torch.distributed as dist
 from fastai.callback.core import Callback
 from fastai.learner import ValueMetric
 from fastai.torch_core import find_bs, to_device
 
 from ..core import dist as ddist
-from ..core.collectives import reduce_sum
 from ..core.rng import rng_state, set_rng_state
+from ..core.state import load_model_state, model_state
+from ..core.throughput import global_counts, rank0_rate, say_comparison
 from .callbacks import DistributedCallback, distributed_fit
+from .state import load_opt_state_dict, opt_state_dict
 
 COLUMNS = ("samples", "distinct", "samples/s")
 
@@ -42,9 +43,7 @@ class Throughput(Callback):
         self.learn.metrics = [m for m in self.learn.metrics if m not in self.columns] + self.columns
         self.single_rate = None
         if self.compare_batches and ddist.world_size() > 1 and ddist.init():
-            self.single_rate = [self._time_one_process() if ddist.is_rank0() else None]
-            dist.broadcast_object_list(self.single_rate, src=0)  # the other ranks wait for rank 0's timing
-            self.single_rate = self.single_rate[0]
+            self.single_rate = rank0_rate(self._time_one_process)
 
     def before_train(self):
         self.count, self.start, self.elapsed = 0, time.perf_counter(), 0.0
@@ -63,9 +62,8 @@ class Throughput(Callback):
 
     def after_epoch(self):
         rate = self.counts["samples/s"]
-        if self.epoch == 0 and self.single_rate and rate and ddist.is_rank0():
-            print(f"ddipp throughput: {ddist.world_size()} ranks {rate} samples/s, 1 process {round(self.single_rate)} "
-                  f"samples/s (over {self.compare_batches} batches): {rate / self.single_rate:.2f}x")
+        if self.epoch == 0 and self.single_rate and rate:
+            say_comparison(rate, self.single_rate, self.compare_batches)
 
     def after_fit(self):
         self.learn.metrics = [m for m in self.learn.metrics if m not in self.columns]
@@ -75,21 +73,15 @@ class Throughput(Callback):
         ddp = distributed_fit(self.learn)
         if ddp is None:  # one process: its loader draws each item at most once per epoch
             return self.count, self.count, self.elapsed
-        device = ddist.device()  # where the backend's collectives work (NCCL: CUDA tensors only)
-        seen = torch.zeros(ddp.shard.dl.n, dtype=torch.int32, device=device)
-        mine = torch.tensor(ddp.shard.get_idxs(), dtype=torch.int64, device=device)  # the order drawn again, alike
-        seen[mine[:self.count]] = 1
-        totals = reduce_sum(dict(seen=seen, count=torch.tensor(self.count, device=device)))
-        elapsed = torch.tensor(self.elapsed, dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return int(totals["count"]), int((totals["seen"] > 0).sum()), float(elapsed)
+        # the order drawn again, alike
+        return global_counts(ddp.shard.dl.n, ddp.shard.get_idxs(), self.count, self.elapsed)
 
     def _time_one_process(self) -> float:
         """Samples/s of `compare_batches` training steps of this process alone; the model, optimizer and random
         generators (global and the loader's) are put back."""
         learn, dl = self.learn, self.learn.dls.train
         model, opt = learn.model, learn.opt
-        states = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        states = copy.deepcopy((model_state(model), opt_state_dict(learn)))
         rngs, loader_rng = rng_state(), copy.deepcopy(getattr(dl, "rng", None))  # the loader's own draws its order
         device = next(model.parameters()).device
         count, start = 0, None
@@ -106,8 +98,8 @@ class Throughput(Callback):
                 count += find_bs(b[n_inp:])
         _synchronize(device)
         elapsed = time.perf_counter() - start
-        model.load_state_dict(states[0])
-        opt.load_state_dict(states[1])
+        load_model_state(model, states[0])
+        load_opt_state_dict(learn, states[1])
         set_rng_state(rngs)
         if loader_rng is not None:
             dl.rng = loader_rng

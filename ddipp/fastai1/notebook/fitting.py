@@ -19,7 +19,9 @@ from ...core.group.output import relayed_output
 from ...core.group.wire import HeldTensors, dumps, fit_request, loads, without_unpicklable
 from ...core.rng import seed_all
 from .progress import ProgressRelay
-from .shipping import data_objects, learner_objects, loaders, move_optimizer_state, state_tensors
+from ...core.state import load_model_state, model_state, move_optimizer_state, state_tensors
+from ..state import opt_state
+from .shipping import data_objects, learner_objects, loaders
 
 
 def fit_call(learn: Learner, held: AbstractSet[str], epochs: int, lr: Any, wd: Any, callbacks: list) -> bytes:
@@ -48,7 +50,7 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, s
     seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
     learn.model.to(device)
-    move_optimizer_state(learn)
+    move_optimizer_state(opt_state(learn))
     learn.to_ddp(**options)
     callbacks = request["callbacks"] + ([ProgressRelay(send)] if send else [])
     try:
@@ -60,7 +62,8 @@ def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, s
         if send is not None:
             send(("trained", results(learn, request["callbacks"])))
         raise
-    return None if send is None else results(learn, request["callbacks"]), held.keep(state_tensors(learn))
+    fitted = None if send is None else results(learn, request["callbacks"])
+    return fitted, held.keep(state_tensors(learn.model, opt_state(learn)))
 
 
 def results(learn: Learner, fit_callbacks: list) -> List[bytes]:
@@ -69,7 +72,7 @@ def results(learn: Learner, fit_callbacks: list) -> List[bytes]:
     or (if that fails) each alone and without what of it cannot be pickled (a lock, a socket): an
     unpicklable attribute never costs the weights."""
     objects = {**learner_objects(learn), **fit_callback_objects(fit_callbacks)}
-    parts = [dumps(dict(state=learn.model.state_dict(), opt=learn.opt), objects=objects)]
+    parts = [dumps(dict(state=model_state(learn.model), opt=learn.opt), objects=objects)]
     objects["opt"] = learn.opt  # the callbacks (the recorder) hold the same optimizer: a reference to the first part's
     callbacks = dict(callbacks=learn.callbacks, attrs=_attached_callbacks(learn),
                      fit=[vars(cb) for cb in fit_callbacks])
@@ -136,9 +139,9 @@ def apply_results(learn: Learner, parts: List[bytes], bar: Any, fit_callbacks: l
     copies."""
     objects = {**learner_objects(learn), **fit_callback_objects(fit_callbacks), "bar": bar}
     got = loads(parts[0], objects, learn.data.device)
-    learn.model.load_state_dict(got["state"])
+    load_model_state(learn.model, got["state"])
     learn.opt = got["opt"]
-    move_optimizer_state(learn)
+    move_optimizer_state(opt_state(learn))
     objects["opt"] = learn.opt
     got = [loads(part, objects, learn.data.device) for part in parts[1:]]
     if len(got) == 1:

@@ -1,8 +1,7 @@
 """What of a fastai v1 learner both the notebook and its workers hold, so that it travels as references
 (ddipp.core.group.wire)."""
-from typing import Any, Dict, Hashable, Iterator
+from typing import Any, Dict, Hashable
 
-import torch
 from fastai.basic_data import DataBunch, DeviceDataLoader
 from fastai.basic_train import Learner
 
@@ -24,21 +23,3 @@ def learner_objects(learn: Learner) -> Dict[Hashable, Any]:
     objects.update({("param", i): p for i, p in enumerate(learn.model.parameters())})
     return objects
 
-
-def move_optimizer_state(learn: Learner) -> None:
-    """Put the optimizer's state tensors on the device of the parameter they belong to."""
-    opt = getattr(learn, "opt", None)
-    if not opt:
-        return
-    for param, state in opt.opt.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != param.device:
-                state[key] = value.to(param.device)
-
-
-def state_tensors(learn: Learner) -> Iterator[torch.Tensor]:
-    """The tensors of the model's and the optimizer's state: what a worker keeps for the next fit."""
-    yield from learn.model.state_dict().values()
-    opt = getattr(learn, "opt", None)
-    for state in (opt.opt.state.values() if opt else ()):
-        yield from (value for value in state.values() if isinstance(value, torch.Tensor))

@@ -21,7 +21,9 @@ from ...core.group.wire import (HeldTensors, dumps, fit_request, grad_from_spec,
                                 without_unpicklable)
 from ...core.rng import seed_all
 from .progress import ProgressRelay
-from .shipping import data_objects, fit_callbacks, learner_objects, move_optimizer_state, state_tensors
+from ...core.state import load_model_state, model_state, move_optimizer_state, state_tensors
+from ..state import opt_state
+from .shipping import data_objects, fit_callbacks, learner_objects
 
 _HELD = ("dls", "model", "opt", "cbs")  # the learner's attributes that come back otherwise (or are the same objects)
 
@@ -51,7 +53,7 @@ def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device, 
     seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
     learn = request["learn"]
     learn.model.to(device)
-    move_optimizer_state(learn)
+    move_optimizer_state(opt_state(learn))
     callbacks = fit_callbacks(learn, request["cbs"])
     learn.to_ddp(**options)
     relay = None
@@ -68,7 +70,8 @@ def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device, 
         if send is not None:
             send(("trained", results(learn, callbacks, relay)))
         raise
-    return None if send is None else results(learn, callbacks, relay), held.keep(state_tensors(learn))
+    fitted = None if send is None else results(learn, callbacks, relay)
+    return fitted, held.keep(state_tensors(learn.model, opt_state(learn)))
 
 
 def _relayed_progress(learn: Learner, send: Callable[[tuple], None], stack: ExitStack) -> Optional[ProgressRelay]:
@@ -100,7 +103,7 @@ def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = No
     if relay is not None:
         objects.update({key: relay for key, cb in list(objects.items()) if cb is relay.stands_for})
     grads = [grad_spec(p.grad) for p in learn.model.parameters()]
-    parts = [dumps(dict(model=learn.model.state_dict(), grads=grads, opt=learn.opt), objects=objects)]
+    parts = [dumps(dict(model=model_state(learn.model), grads=grads, opt=learn.opt), objects=objects)]
     objects["opt"] = learn.opt  # the recorder and the schedulers hold the same optimizer: the first part's
     attrs = {k: v for k, v in travelling_state(learn).items()
              if k not in _HELD and not _ours(v) and not any(v is cb for cb in learn.cbs)}
@@ -138,11 +141,11 @@ def apply_results(learn: Learner, parts: List[bytes], bar: Any, callbacks: list)
     objects = {**learner_objects(learn, callbacks), "bar": bar}
     device = learn.dls.device or torch.device("cpu")
     got = loads(parts[0], objects, device)
-    learn.model.load_state_dict(got["model"])
+    load_model_state(learn.model, got["model"])
     for param, grad in zip(learn.model.parameters(), got["grads"]):
         param.grad = grad_from_spec(grad, param)
     learn.opt = got["opt"]
-    move_optimizer_state(learn)
+    move_optimizer_state(opt_state(learn))
     objects["opt"] = learn.opt
     got = loads(parts[1], objects, device)
     vars(learn).update(got["learn"])

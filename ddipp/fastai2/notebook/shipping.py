@@ -1,8 +1,7 @@
 """What of a fastai v2 learner both the notebook and its workers hold, so that it travels as references
 (ddipp.core.group.wire)."""
-from typing import Any, Dict, Hashable, Iterator, List
+from typing import Any, Dict, Hashable, List
 
-import torch
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
@@ -30,21 +29,3 @@ def fit_callbacks(learn: Learner, cbs: Any) -> List[Callback]:
     is made inside it, and ends with it)."""
     return list(learn.cbs) + [cb for cb in L(cbs) if isinstance(cb, Callback)]
 
-
-def move_optimizer_state(learn: Learner) -> None:
-    """Put the optimizer's state tensors on the device of the parameter they belong to."""
-    opt = getattr(learn, "opt", None)
-    if opt is None:
-        return
-    for param, state in opt.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != param.device:
-                state[key] = value.to(param.device)
-
-
-def state_tensors(learn: Learner) -> Iterator[torch.Tensor]:
-    """The tensors of the model's and the optimizer's state: what a worker keeps for the next fit."""
-    yield from learn.model.state_dict().values()
-    opt = getattr(learn, "opt", None)
-    for state in (opt.state.values() if opt is not None else ()):
-        yield from (value for value in state.values() if isinstance(value, torch.Tensor))

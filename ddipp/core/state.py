@@ -1,0 +1,37 @@
+"""The one place that knows how a model's and an optimizer's state is read and written (DDP's wrapper today; FSDP's
+gathered state would go here). The adapters say where their fastai keeps the optimizer's state."""
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DDP (or DataParallel) wrapper, or `model` itself."""
+    return model.module if isinstance(model, (DistributedDataParallel, DataParallel)) else model
+
+
+def model_state(model: nn.Module) -> dict:
+    """The state dict of `model`, wrapped or not (its keys without the wrapper's `module.`)."""
+    return unwrapped(model).state_dict()
+
+
+def load_model_state(model: nn.Module, state: dict) -> None:
+    """Load `state` (as model_state gives it) into `model`, wrapped or not."""
+    unwrapped(model).load_state_dict(state)
+
+
+def move_optimizer_state(opt_state: Mapping[torch.Tensor, dict]) -> None:
+    """Put an optimizer's per-parameter state tensors (not its scalar steps) on the device of their parameter."""
+    for param, state in opt_state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != param.device:
+                state[key] = value.to(param.device)
+
+
+def state_tensors(model: nn.Module, opt_state: Mapping[torch.Tensor, dict]) -> Iterator[torch.Tensor]:
+    """The tensors of the model's state and of an optimizer's per-parameter state."""
+    yield from model_state(model).values()
+    for state in opt_state.values():
+        yield from (value for value in state.values() if isinstance(value, torch.Tensor))
