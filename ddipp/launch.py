@@ -50,8 +50,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
+from .core.store import LOOPBACK, loopback_listener
+
 PROG = "python -m ddipp.launch"
-LOOPBACK = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 DEFAULT_TIMEOUT = 600  # seconds, as to_ddp(timeout=600)
 LOOPBACK_RENDEZVOUS = "ddipp-loopback"  # the elastic rendezvous backend of a one-host launch
@@ -144,17 +145,10 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
 
 
 def worker_env(args: argparse.Namespace, nproc: int, devices: str, environ: Mapping[str, str] = os.environ) -> dict:
-    """What ddipp adds to the workers' environment (the rest is elastic's): the device list, the collectives' timeout,
-    each process's share of the host's cores as OpenMP threads when several share the host, and on one host gloo and
-    NCCL on loopback."""
-    from .core.dist import DEVICES_ENV, TIMEOUT_ENV, cores_per_rank, loopback_env  # bad input fails before torch loads
+    """What ddipp adds to the workers' environment (the rest is elastic's): ddipp.core.dist.rank_env's."""
+    from .core.dist import rank_env  # bad input fails before torch loads
 
-    env = {DEVICES_ENV: devices, TIMEOUT_ENV: str(args.timeout)}
-    if nproc > 1 and "OMP_NUM_THREADS" not in environ:
-        env["OMP_NUM_THREADS"] = str(cores_per_rank(nproc))
-    if args.nnodes == 1:
-        env.update(loopback_env(environ))
-    return env
+    return rank_env(devices, args.timeout, nproc, args.nnodes == 1, environ)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -196,7 +190,7 @@ def store_socket(config: Config) -> socket.socket | None:
         return None
     host = LOOPBACK if config.nnodes == 1 else ""  # "": every interface, where torch's store will listen
     try:
-        sock = socket.create_server((host, config.master_port))
+        sock = loopback_listener(config.master_port) if host else socket.create_server(("", config.master_port))
     except OSError as e:
         raise BadInput(f"--master-port {config.master_port}: cannot listen on {host or '*'}:{config.master_port} "
                        f"({os.strerror(e.errno)}); pick another port, or leave --master-port out") from None
@@ -216,7 +210,8 @@ def run(config: Config, listener: socket.socket | None) -> int:
 
     os.environ.update(config.env)  # the workers inherit the launcher's environment
     if config.nproc > 1:
-        _say_cores(config.nproc)
+        from .core.dist import cores_shared
+        print(f"{PROG}: {cores_shared(config.nproc, os.environ['OMP_NUM_THREADS'])}", file=sys.stderr, flush=True)
     logs = _rank_logs(config)
     launch_config = LaunchConfig(min_nodes=config.nnodes, max_nodes=config.nnodes, nproc_per_node=config.nproc,
                                  max_restarts=config.max_restarts, logs_specs=logs, **_rendezvous(config, listener))
@@ -231,15 +226,6 @@ def run(config: Config, listener: socket.socket | None) -> int:
     return 0
 
 
-def _say_cores(nproc: int) -> None:
-    """Say once how the host's cores are shared by its `nproc` processes (OMP_NUM_THREADS is set by then)."""
-    from .core.dist import cores_per_rank, host_cores
-
-    print(f"{PROG}: {nproc} processes share {host_cores()} cores: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
-          f"each, and num_workers={cores_per_rank(nproc)} for a fastai loader left at fastai's default; set either to "
-          f"choose", file=sys.stderr, flush=True)
-
-
 def _rendezvous(config: Config, listener: socket.socket | None) -> dict:
     """LaunchConfig's rendezvous arguments: on one host ddipp's loopback rendezvous on `listener`, else torch's static
     rendezvous at --master-addr:--master-port (node rank 0's store listens there on every interface)."""
@@ -251,27 +237,27 @@ def _rendezvous(config: Config, listener: socket.socket | None) -> dict:
     rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
     host, port = listener.getsockname()
     return dict(rdzv_backend=LOOPBACK_RENDEZVOUS, rdzv_endpoint=f"{host}:{port}", run_id=uuid.uuid4().hex,
-                rdzv_configs={"listen_fd": listener.detach()})  # the store takes the socket over
+                rdzv_configs={"listener": listener})  # the store takes the socket over
 
 
 def _loopback_rendezvous(params):
-    """Elastic's handler for a one-host launch: torch's static rendezvous (no pickled state), its store served from the
-    socket ddipp bound to 127.0.0.1 (a store torch makes listens on every interface, whatever host it is given)."""
-    from torch.distributed import TCPStore
+    """Elastic's handler for a one-host launch: torch's static rendezvous (no pickled state), its store ddipp's
+    loopback store, served from the listener store_socket bound."""
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
+    from .core.store import loopback_store
+
     class LoopbackRendezvous(StaticTCPRendezvous):
-        def __init__(self, host: str, port: int, run_id: str, timeout: int, listen_fd: int):
+        def __init__(self, host: str, port: int, run_id: str, timeout: int, listener: socket.socket):
             super().__init__(host, port, rank=0, world_size=1, run_id=run_id, timeout=timeout)
-            # libuv's backend (torch 2.4's default) cannot take a listening socket: the one before it can
-            self._store = TCPStore(host, port, 1, True, self.timeout, master_listen_fd=listen_fd, use_libuv=False)
+            self._store = loopback_store(listener, self.timeout)
 
         def get_backend(self) -> str:
             return LOOPBACK_RENDEZVOUS
 
     host, port = params.endpoint.rsplit(":", 1)
     return LoopbackRendezvous(host, int(port), params.run_id, int(params.config["timeout"]),
-                              params.config["listen_fd"])
+                              params.config["listener"])
 
 
 def _rank_logs(config: Config):

@@ -23,6 +23,7 @@ from .notes import add_note
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
 CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"  # set by the notebook's worker group: a worker's socket to the notebook
 PARENT_PID_ENV = "DDIPP_PARENT_PID"  # set by the notebook's worker group: the notebook's pid (its workers end with it)
+FITTING_ENV = "DDIPP_FITTING"  # set by the notebook's worker group: the adapter's fitting module (group/adapter.py)
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torch's elastic agent: 0, then 1, 2, ... each time it restarts
 TIMEOUT_ENV = "DDIPP_TIMEOUT"  # seconds a collective may wait for the other ranks (torch's default if unset)
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torch's elastic agent: where a rank's failure is told to it
@@ -71,6 +72,26 @@ def loader_workers(num_workers: int, fastai_default: int) -> int:
     if num_workers != fastai_default:
         return num_workers
     return min(num_workers, cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
+def rank_env(devices: str, timeout: float, ranks_on_host: int, one_host: bool,
+             environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What ddipp adds to the environment of each rank of a group, launched or a notebook's: the device list ("3,1" or
+    "cpu"), the collectives' `timeout`, the rank's share of the host's cores as OpenMP threads when several ranks share
+    it, and on `one_host` gloo and NCCL on loopback; what `environ` sets itself wins."""
+    env = {DEVICES_ENV: devices, TIMEOUT_ENV: str(timeout)}
+    if ranks_on_host > 1 and "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = str(cores_per_rank(ranks_on_host))
+    if one_host:
+        env.update(loopback_env(environ))
+    return env
+
+
+def cores_shared(ranks_on_host: int, threads: str) -> str:
+    """How the host's cores are shared by its `ranks_on_host` processes, each running `threads` OpenMP threads."""
+    return (f"{ranks_on_host} processes share {host_cores()} cores: OMP_NUM_THREADS={threads} each, and "
+            f"num_workers={cores_per_rank(ranks_on_host)} for a fastai loader left at fastai's default; set either to "
+            f"choose")
 
 
 def loopback_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
