@@ -1,5 +1,8 @@
 """Shared fixtures: tiny data sets made on the spot (no downloads), a one-thread torch, and the scenario
-(tests/workers/scenario.py) played once launched on 2 ranks and once in one process, for every module."""
+(tests/fastai1/workers/scenario.py) played once launched on 2 ranks and once in one process, for every module.
+
+The tests and every process they start (launched ranks, notebooks, worker groups) import the helpers of IMPORT_PATHS:
+this conftest puts them on sys.path and on PYTHONPATH, once, so no test or worker file edits sys.path."""
 import contextlib
 import json
 import os
@@ -7,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +20,20 @@ from PIL import Image
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKERS = ROOT / "tests" / "fastai1" / "workers"  # the v1 scripts the launched fixtures run
-sys.path[:0] = [str(ROOT / "examples"), str(WORKERS)]
+FASTAI_MAJOR = int(version("fastai").split(".")[0])  # as ddipp picks its adapter; this env runs tests/fastai{N}
+WORKERS = ROOT / "tests" / f"fastai{FASTAI_MAJOR}" / "workers"  # the scripts and helpers of this env's fastai tests
+# examples/ (digits), tests/ (compare), the torch-only core workers, this fastai's workers
+IMPORT_PATHS = [str(ROOT / "examples"), str(ROOT / "tests"), str(ROOT / "tests" / "core" / "workers"), str(WORKERS)]
+sys.path[:0] = [*IMPORT_PATHS, str(ROOT / "tools")]  # tools/: for the tests of the tools alone
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def importable_in_subprocesses():
+    """IMPORT_PATHS on PYTHONPATH for every process a test starts (the launcher and a worker group pass it on)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [*IMPORT_PATHS, os.environ.get("PYTHONPATH")])))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +55,14 @@ def reference(tmp_path_factory):
     """The scenario's story in one process with batch 32, the global batch of 2 ranks."""
     from scenario import digits_data, digits_learner, story
     return story(digits_learner(digits_data(tmp_path_factory.mktemp("ref"), bs=32)))
+
+
+@pytest.fixture(scope="session")
+def core_ranks(tmp_path_factory):
+    """What tests/core/workers/core_worker.py (plain torch) saw on each of 2 launched ranks, and its folder."""
+    out = tmp_path_factory.mktemp("core")
+    launch_2_ranks(ROOT / "tests" / "core" / "workers" / "core_worker.py", out)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +101,7 @@ def launched_beside(args: list, out: Path, **env: str):
 
 
 def run_notebook(path: Path, folder: Path, **env: str) -> tuple:
-    """The notebook at `path` run top to bottom in a Jupyter kernel of this Python, in `folder`, with examples/
+    """The notebook at `path` run top to bottom in a Jupyter kernel of this Python, in `folder`, with IMPORT_PATHS
     importable and `env` set: its cells with their outputs, and every HTML display and display update it made (a
     finished bar's last update leaves only its table in the cells)."""
     import nbformat
@@ -90,7 +113,6 @@ def run_notebook(path: Path, folder: Path, **env: str) -> tuple:
             html.append(msg["content"].get("data", {}).get("text/html", ""))
             return super().process_message(msg, cell, cell_index)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
         for name, value in env.items():
             mp.setenv(name, value)
         notebook = nbformat.read(path, as_version=4)

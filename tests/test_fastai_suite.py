@@ -3,8 +3,9 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 def test_two_test_sessions_ending_at_once_both_save_fastais_test_registry(tmp_path, monkeypatch):
@@ -74,6 +75,7 @@ def test_a_fastai_test_skipped_on_every_rank_is_reported_skipped_with_its_reason
     assert _merged(tmp_path, "pytest.skip('needs a download')", exit_code=0) == ("skipped", "needs a download")
 
 
+@pytest.mark.slow
 def test_a_rank_that_wrote_no_result_fails_the_test_naming_it_and_the_launchers_last_line(tmp_path):
     import fastai_ddp_suite
     ranks = [fastai_ddp_suite.rank_outcome(_junit(tmp_path, "pass", 0)),

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from matrix import STACKS  # tools/ is on sys.path (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-sys.path.insert(0, str(ROOT / "tools"))
-from matrix import STACKS  # noqa: E402 (tools/ is not a package)
 
 FIT = """
 import torch, ddipp, ddipp.fastai1.notebook
@@ -47,6 +47,7 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.mark.slow
 def test_a_wheel_installed_in_a_fresh_virtualenv_imports_and_fits(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -65,6 +66,7 @@ def test_a_wheel_installed_in_a_fresh_virtualenv_imports_and_fits(wheel, tmp_pat
     assert "TRAINED 1 True" in run.stdout
 
 
+@pytest.mark.slow
 def test_the_wheel_carries_the_license_and_the_declared_python_and_license(wheel):
     with zipfile.ZipFile(wheel) as whl:
         info = f"ddipp-{PROJECT['version']}.dist-info"
@@ -94,6 +96,7 @@ def fake_environment(path: Path, packages: dict) -> Path:
 FASTAI1_EXTRAS = {"setuptools": "80.10.2", "spacy": "3.8.18", "ipywidgets": "8.1.9", "nbconvert": "7.17.2"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour, extra", [("v2", "fastai2"), ("v1", "fastai1")])
 def test_installing_into_the_newest_stack_changes_no_package_there(wheel, tmp_path, flavour, extra):
     newest = STACKS[-1]

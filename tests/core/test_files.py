@@ -4,6 +4,7 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 import torch
 
 from ddipp.core.files import owned_dir_prefix, save_atomic, sweep_stale_dirs
@@ -19,6 +20,7 @@ with replacing(Path(sys.argv[1])) as f:
 """
 
 
+@pytest.mark.slow
 def test_a_process_killed_midway_leaves_the_previous_file_and_the_next_write_sweeps_its_part(tmp_path):
     path = tmp_path / "models" / "best.pth"
     save_atomic({"epoch": 1}, path)
@@ -32,6 +34,7 @@ def test_a_process_killed_midway_leaves_the_previous_file_and_the_next_write_swe
     assert [p.name for p in path.parent.iterdir()] == ["best.pth"]
 
 
+@pytest.mark.slow
 def test_folders_of_dead_processes_are_swept_and_live_ones_kept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     gone = tmp_path / f"ddipp-workers-{dead.stdout.strip()}-abc"

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
+import apps  # tests/fastai1/workers is on sys.path (tests/conftest.py)
 import ddipp
+from compare import close
 from conftest import launched_beside
-from scenario import close
 
 WORKERS = Path(__file__).parent / "workers"
-import apps  # noqa: E402  (tests/fastai1/workers is on sys.path: conftest)
 
 # app: (index in [val_loss, *metrics], higher is better, |DDP - one process| at most, DDP at least/most)
 PARITY = {"lm": (1, True, 0.03, 0.70), "clas": (1, True, 0.04, 0.90), "vision": (1, True, 0.05, 0.88),
@@ -59,6 +59,7 @@ def ranks(launch, single):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", PARITY)
 def test_two_ranks_reach_what_one_process_reaches_with_the_global_batch(ranks, single, app):
     (r0, r1), _ = ranks
@@ -77,6 +78,7 @@ REVALIDATE = {  # app -> the learner rebuilt in one process, with the validation
     "collab": lambda path, digits: apps.collab_learner_(path / "collab", 64)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", REVALIDATE)
 def test_validation_numbers_recorded_by_the_ranks_are_those_of_one_process_on_their_weights(ranks, app, tmp_path,
                                                                                            digits_path):
@@ -99,6 +101,7 @@ def _lm_batches(learn, order):
     return [np.stack(rows[k:k + ds.bs]) for k in range(0, len(rows), ds.bs)]
 
 
+@pytest.mark.slow
 def test_language_model_ranks_train_on_their_own_contiguous_streams_a_partition_of_the_corpus(ranks, tmp_path):
     (r0, r1), _ = ranks
     learn = apps.lm_learner(tmp_path, 32)
@@ -115,6 +118,7 @@ def test_language_model_ranks_train_on_their_own_contiguous_streams_a_partition_
     assert len(orders) == 4 and all(a != b for a, b in zip(orders, orders[1:])) and orders[0] != sorted(orders[0])
 
 
+@pytest.mark.slow
 def test_classifier_trains_on_length_buckets_in_a_new_order_every_epoch(ranks, single):
     (r0, r1), _ = ranks
     n_train = 640
@@ -127,6 +131,7 @@ def test_classifier_trains_on_length_buckets_in_a_new_order_every_epoch(ranks, s
     assert r0["clas"]["padding"] <= 1.25 * one + 0.01 and r1["clas"]["padding"] <= 1.25 * one + 0.01, one
 
 
+@pytest.mark.slow
 def test_classifier_fine_tunes_the_loaded_encoder_with_gradual_unfreezing(ranks, single):
     (r0, r1), _ = ranks
     for res in (r0["clas"], r1["clas"], single["clas"]):
@@ -135,6 +140,7 @@ def test_classifier_fine_tunes_the_loaded_encoder_with_gradual_unfreezing(ranks,
     assert r0["clas"]["final"][1] > single["clas"]["history"]["metrics"][0][0] - 0.1  # started from the encoder
 
 
+@pytest.mark.slow
 def test_fit_fc_discriminative_lrs_and_freezing_give_one_process_weights(ranks, single):
     (r0, r1), _ = ranks
     one = single["features"]
@@ -145,6 +151,7 @@ def test_fit_fc_discriminative_lrs_and_freezing_give_one_process_weights(ranks, 
     assert lrs == one["layer_lrs"] and lrs[1] == pytest.approx(100 * lrs[0])  # slice(lr/100, lr)
 
 
+@pytest.mark.slow
 def test_fit_fc_schedules_the_lrs_of_one_process_step_by_step(ranks, single):
     (r0, r1), _ = ranks
     one = single["features"]["history"]["lrs"]  # the recorder holds the last fit: fit_fc(2, 1e-2)
@@ -152,6 +159,7 @@ def test_fit_fc_schedules_the_lrs_of_one_process_step_by_step(ranks, single):
     assert r0["features"]["history"]["lrs"] == r1["features"]["history"]["lrs"] == one
 
 
+@pytest.mark.slow
 def test_csv_logger_writes_one_file_on_rank_0_with_the_global_numbers(ranks, single):
     (r0, r1), out = ranks
     one = single["features"]
@@ -163,6 +171,7 @@ def test_csv_logger_writes_one_file_on_rank_0_with_the_global_numbers(ranks, sin
                for a, b in zip(rows[0][1:], rows[1][1:]) if a[0] != "epoch")
 
 
+@pytest.mark.slow
 def test_language_model_validate_and_get_preds_outside_a_fit_give_one_process_numbers(ranks, tmp_path):
     (r0, r1), _ = ranks
     learn = apps.lm_learner(tmp_path, 32)  # one process with the global batch, on the ranks' weights
@@ -173,6 +182,7 @@ def test_language_model_validate_and_get_preds_outside_a_fit_give_one_process_nu
         assert close(rank["lm"]["validated"], validated, EXACT), (rank["lm"]["validated"], validated)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="to_fp16 under DDP needs a GPU")
 def test_to_fp16_trains_on_a_gpu_rank_like_one_gpu(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--gpus", "0", str(WORKERS / "fp16_worker.py"),
@@ -180,7 +190,6 @@ def test_to_fp16_trains_on_a_gpu_rank_like_one_gpu(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     ddp = json.loads((tmp_path / "rank0.json").read_text())
-    sys.path.insert(0, str(WORKERS))
     from fp16_worker import fp16_fit
     one = fp16_fit(tmp_path / "single")
     assert ddp["half"] and one["half"]

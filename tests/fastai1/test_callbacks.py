@@ -15,12 +15,13 @@ from fastai.callbacks.flat_cos_anneal import FlatCosAnnealScheduler
 
 from ddipp import GCCallback
 from ddipp.fastai1.callbacks import _rescale_schedule
-from scenario import (TOL, between_fits, close, decisions, digits_data, digits_learner, evaluation, failed_fit,
-                      max_diff, sweep, swept_state)
+from compare import TOL, close, max_diff
+from scenario import between_fits, decisions, digits_data, digits_learner, evaluation, failed_fit, sweep, swept_state
 
 WORKERS = Path(__file__).parent / "workers"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["params_fit", "params_frozen", "params_unfrozen"])
 def test_two_ranks_train_the_parameters_one_process_trains_with_the_global_batch(ranks, reference, stage):
     (r0, r1), _ = ranks
@@ -28,6 +29,7 @@ def test_two_ranks_train_the_parameters_one_process_trains_with_the_global_batch
     assert max_diff(r0["story"][stage], reference[stage]) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["fit", "fit_frozen", "fit_unfrozen"])
 def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, reference, stage):
     (r0, r1), _ = ranks
@@ -35,6 +37,7 @@ def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, refer
     assert close(r0["story"][stage], reference[stage])  # losses, val losses, accuracy, a batch-wise metric, FBeta
 
 
+@pytest.mark.slow
 def test_validate_and_get_preds_between_fits_cover_the_whole_set(ranks, reference):
     (r0, r1), _ = ranks
     assert r0["story"]["validate_before"] == r1["story"]["validate_before"]
@@ -46,6 +49,7 @@ def test_validate_and_get_preds_between_fits_cover_the_whole_set(ranks, referenc
         assert max_diff([r0["story"][stage], r1["story"][stage]], [reference[stage]] * 2) <= TOL
 
 
+@pytest.mark.slow
 def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path):
     (r0, r1), _ = ranks
     learn = digits_learner(digits_data(tmp_path, bs=32, val_bs=2, n_valid=3))  # batches of 2 and 1 items
@@ -54,6 +58,7 @@ def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path
     assert close(r0["tiny_valid"], expected) and close(r1["tiny_valid"], expected)
 
 
+@pytest.mark.slow
 def test_validation_is_exact_on_101_items_with_accuracy_and_fbeta_after_new_data_and_freeze(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = between_fits(digits_learner(digits_data(tmp_path, bs=32)), bs=32)
@@ -64,11 +69,13 @@ def test_validation_is_exact_on_101_items_with_accuracy_and_fbeta_after_new_data
     assert max_diff(r0["between_fits"]["params"], single["params"]) <= TOL
 
 
+@pytest.mark.slow
 def test_plain_model_and_original_loaders_are_back_after_each_fit(ranks):
     (r0, r1), _ = ranks
     assert r0["story"]["restored"] and r1["story"]["restored"]
 
 
+@pytest.mark.slow
 def test_lr_find_sweeps_once_on_rank0_like_one_process_and_keeps_the_weights(ranks, tmp_path):
     (r0, r1), _ = ranks
     assert r0["story"]["plot"] and r1["story"]["plot"]  # recorder.plot() works on every rank
@@ -80,6 +87,7 @@ def test_lr_find_sweeps_once_on_rank0_like_one_process_and_keeps_the_weights(ran
     assert close(r0["story"]["sweep_before"], single)
 
 
+@pytest.mark.slow
 def test_lr_find_distributed_mode_sweeps_with_the_global_batch(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = sweep(digits_learner(digits_data(tmp_path, bs=32)))
@@ -87,6 +95,7 @@ def test_lr_find_distributed_mode_sweeps_with_the_global_batch(ranks, tmp_path):
     assert close(r0["distributed_sweep"], single)
 
 
+@pytest.mark.slow
 def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
     (r0, r1), _ = ranks
     n_train = 1797 - 359
@@ -96,6 +105,7 @@ def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
     assert r0["orders"][0] != r0["orders"][1] != r0["orders"][2]
 
 
+@pytest.mark.slow
 def test_saved_exported_and_loaded_weights_are_identical_on_every_rank(ranks):
     (r0, r1), _ = ranks
     assert max_diff(r0["story"]["params_loaded"], r1["story"]["params_loaded"]) == 0
@@ -104,6 +114,7 @@ def test_saved_exported_and_loaded_weights_are_identical_on_every_rank(ranks):
         assert max_diff(rank["exported"]["loaded"], r0["exported"]["trained"]) == 0
 
 
+@pytest.mark.slow
 def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fit_works(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = failed_fit(digits_learner(digits_data(tmp_path, bs=32)))
@@ -112,6 +123,7 @@ def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fi
         assert max_diff(rank["failed_fit"]["params"], single["params"]) <= TOL
 
 
+@pytest.mark.slow
 def test_callbacks_deciding_from_validation_decide_alike_on_every_rank_and_as_one_process(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = decisions(digits_learner(digits_data(tmp_path, bs=32)))
@@ -122,6 +134,7 @@ def test_callbacks_deciding_from_validation_decide_alike_on_every_rank_and_as_on
     assert max_diff(r0["decisions"]["params"], single["params"]) <= TOL  # SaveModelCallback reloaded the best
 
 
+@pytest.mark.slow
 def test_only_rank0_draws_progress_and_the_results_table(ranks):
     _, out = ranks
     rank0, rank1 = ((out / f"stdout{r}.txt").read_text() for r in range(2))
@@ -169,6 +182,7 @@ def failing_launches(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("story", ["save_model", "lr_find"])
 def test_a_launched_rank_that_raises_ends_the_run_with_its_error_long_before_the_timeout(failing_launches, story):
     rc, stderr, seconds = failing_launches[story]
@@ -180,6 +194,7 @@ def test_a_launched_rank_that_raises_ends_the_run_with_its_error_long_before_the
     assert "ValueError: rank 1 fails on purpose" in stderr
 
 
+@pytest.mark.slow
 def test_a_distributed_sweep_runs_its_num_it_steps_to_end_lr_as_one_process_with_the_global_batch(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = sweep(digits_learner(digits_data(tmp_path, bs=32, n_valid=1734)), num_it=100)  # 1 batch an epoch
@@ -189,6 +204,7 @@ def test_a_distributed_sweep_runs_its_num_it_steps_to_end_lr_as_one_process_with
         assert close(r0["short_shard_sweep"][key], single[key])
 
 
+@pytest.mark.slow
 def test_a_solo_sweep_leaves_every_rank_with_rank0s_optimizer_and_recorder(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = swept_state(digits_learner(digits_data(tmp_path, bs=16)))  # rank 0 sweeps alone, with its own batch
@@ -197,6 +213,7 @@ def test_a_solo_sweep_leaves_every_rank_with_rank0s_optimizer_and_recorder(ranks
     assert close(r0["solo_sweep"], single)
 
 
+@pytest.mark.slow
 def test_rank0_alone_validates_and_predicts_as_one_process(ranks, tmp_path):
     (r0, _), _ = ranks
     learn = digits_learner(digits_data(tmp_path, bs=32))
@@ -209,6 +226,7 @@ def test_rank0_alone_validates_and_predicts_as_one_process(ranks, tmp_path):
     assert max_diff([alone["preds"], alone["losses"]], [single["preds"], single["losses"]]) <= TOL
 
 
+@pytest.mark.slow
 def test_csv_loggers_of_other_ranks_leave_nothing_in_the_temp_folder_whatever_ends_the_fit(ranks):
     (r0, r1), out = ranks
     for rank in (r0, r1):

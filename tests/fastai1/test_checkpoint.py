@@ -17,9 +17,11 @@ from beyond import StopAt, resume_story
 from conftest import image_folder, tiny_cnn
 from ddipp.core.files import save_atomic
 from ddipp.core.rng import seed_all
-from scenario import TOL, close, max_diff, params
+from compare import TOL, close, max_diff
+from scenario import params
 
 
+@pytest.mark.slow
 def test_resumed_fit_ends_with_the_parameters_of_the_uninterrupted_fit_on_2_ranks(beyond_ranks):
     (r0, r1), _ = beyond_ranks
     for rank in (r0, r1):
@@ -30,6 +32,7 @@ def test_resumed_fit_ends_with_the_parameters_of_the_uninterrupted_fit_on_2_rank
         assert close(res["resumed"]["metrics"], res["full"]["metrics"][2:])
 
 
+@pytest.mark.slow
 def test_only_rank0_writes_one_file_per_epoch(beyond_ranks):
     (r0, r1), out = beyond_ranks
     assert [p.rsplit("/", 1)[1] for p in r0["replaced"]] == ["full.pth"] * 4 + ["cut.pth"] * 2 + ["cut.pth"] * 2

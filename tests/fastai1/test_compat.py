@@ -270,6 +270,7 @@ def _tensor_data(n=64, bs=8):
     return DataBunch.create(data, data, bs=bs, num_workers=0)
 
 
+@pytest.mark.slow
 def test_importing_ddipp_then_fastai_shows_only_the_users_own_warning():
     code = "import ddipp; from fastai.vision import *; import warnings; warnings.warn('mine')"
     env = dict(os.environ, OMP_NUM_THREADS="1")  # setuptools' pkg_resources deprecation was the other

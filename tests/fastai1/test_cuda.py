@@ -8,7 +8,8 @@ import torch
 
 import ddipp
 from ddipp.fastai1.notebook.fitting import place_data
-from scenario import close, digits_data, digits_learner, history, max_diff, params
+from compare import close, max_diff
+from scenario import digits_data, digits_learner, history, params
 
 from conftest import WORKERS
 
@@ -23,6 +24,7 @@ def cpu_fit(tmp_path_factory):
     return history(learn), params(learn)
 
 
+@pytest.mark.slow
 def test_a_launched_rank_trains_on_the_listed_gpu_with_nccl(tmp_path, cpu_fit):
     last = torch.cuda.device_count() - 1
     subprocess.run([sys.executable, "-m", "ddipp.launch", "--gpus", str(last), str(WORKERS / "cuda_worker.py"),

@@ -1,11 +1,14 @@
 """SumMetric: a callback metric of sums over the validation set, on 2 ranks (`beyond_ranks`) and in one process."""
+import pytest
 import torch
 from fastai.basic_data import DatasetType
 
 from beyond import OutputMoments, moments_fit
-from scenario import TOL, digits_data, digits_learner, max_diff
+from compare import TOL, max_diff
+from scenario import digits_data, digits_learner
 
 
+@pytest.mark.slow
 def test_mean_and_covariance_of_the_outputs_equal_one_process_on_359_items(beyond_ranks, tmp_path):
     (r0, r1), _ = beyond_ranks
     single = moments_fit(digits_learner(digits_data(tmp_path, bs=32)))  # 359 validation items, batches of 64

@@ -36,6 +36,7 @@ def executed(request, tmp_path_factory):
     return name, notebook, html, folder
 
 
+@pytest.mark.slow
 def test_notebook_runs_and_brings_rank0s_training_back(executed):
     name, notebook, displays, folder = executed
     metric, bound, saved_here, saved_by_rank0 = EXPECTED[name]
@@ -50,6 +51,7 @@ def test_notebook_runs_and_brings_rank0s_training_back(executed):
     assert here.keys() == rank0.keys() and all(torch.equal(here[k], rank0[k]) for k in here)
 
 
+@pytest.mark.slow
 def test_notebook_shows_no_stderr_and_no_learner_repr(executed):
     """No red box: the notebooks' own code warns of nothing, so any stderr is noise (fastai's, torch's, ddipp's)."""
     _, notebook, _, _ = executed

@@ -1,10 +1,15 @@
 """Throughput: samples, distinct samples and samples/s per epoch, on 2 ranks (`beyond_ranks`) and in one process."""
+
+import pytest
+
 from beyond import throughput_fit
-from scenario import digits_data, digits_learner, max_diff
+from compare import max_diff
+from scenario import digits_data, digits_learner
 
 TRAINED = (1797 - 359) // 32 * 32  # digits' training set in full batches of 32: 1408 items
 
 
+@pytest.mark.slow
 def test_two_ranks_process_each_training_item_once_per_epoch(beyond_ranks):
     (r0, r1), _ = beyond_ranks
     t0, t1 = r0["throughput"], r1["throughput"]
@@ -15,6 +20,7 @@ def test_two_ranks_process_each_training_item_once_per_epoch(beyond_ranks):
         assert samples == distinct == TRAINED and rate > 0
 
 
+@pytest.mark.slow
 def test_the_results_table_shows_it_and_the_comparison_is_one_line_on_rank0(beyond_ranks):
     _, out = beyond_ranks
     rank0, rank1 = ((out / f"stdout{r}.txt").read_text() for r in range(2))
@@ -24,6 +30,7 @@ def test_the_results_table_shows_it_and_the_comparison_is_one_line_on_rank0(beyo
     assert "ddipp throughput" not in rank1
 
 
+@pytest.mark.slow
 def test_the_comparison_leaves_weights_and_order_as_they_were(beyond_ranks):
     (r0, _), _ = beyond_ranks
     assert max_diff(r0["throughput"]["params"], r0["no_throughput"]) == 0

@@ -19,14 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import apps  # tests/fastai2/workers and examples/ are on sys.path (tests/conftest.py)
 import ddipp
-from ddipp.fastai2.loaders import ShardedEvalDL, ShardedTrainDL
 from conftest import WITHOUT_DDIPP, launched_beside
-from digits import digits_folder  # examples/ is on sys.path (tests/conftest.py)
+from ddipp.fastai2.loaders import ShardedEvalDL, ShardedTrainDL
+from digits import digits_folder
 
 WORKERS = Path(__file__).parent / "workers"
-sys.path.insert(0, str(WORKERS))
-import apps  # noqa: E402
 
 MODES = ("notebook", "launched")
 # Tolerances: about 1.5 x the spread of the number over 3-4 seeds in one process (measured: accuracy 0.033 lm, 0.03
@@ -97,12 +96,15 @@ def runs(request, single):
     return request.getfixturevalue("ranks")[0] if request.param == "launched" else request.getfixturevalue("notebook")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", PARITY)
 def test_every_launched_rank_holds_the_same_recorder_and_validation(ranks, app):
     (r0, r1) = ranks
+    assert r0[app]["values"] and len(r0[app]["validated"]) == len(r0[app]["final"]) >= 2, r0[app]  # loss, a metric
     assert r0[app]["values"] == r1[app]["values"] and r0[app]["validated"] == r1[app]["validated"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runs", MODES, indirect=True)
 @pytest.mark.parametrize("app", PARITY)
 def test_two_processes_reach_what_one_process_reaches_with_the_global_batch(runs, single, app):
@@ -113,10 +115,12 @@ def test_two_processes_reach_what_one_process_reaches_with_the_global_batch(runs
     assert abs(ddp[0] - one[0]) <= LOSS[app], (ddp, one)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runs", MODES, indirect=True)
 @pytest.mark.parametrize("app", PARITY)
 def test_the_fits_validation_is_one_processs_on_the_same_weights(runs, app):
     res = runs[app]
+    assert len(res["final"]) == len(res["validated"]) >= 2, res  # the validation loss and a metric at least
     assert all(abs(a - b) <= EXACT * max(1.0, abs(b)) for a, b in zip(res["final"], res["validated"])), res
 
 
@@ -129,6 +133,7 @@ print(float(sum(p.detach().double().sum() for p in learn.model.parameters())))
 """
 
 
+@pytest.mark.slow
 def test_a_launched_export_loads_where_ddipp_is_not_installed(launch, ranks):
     _, out = launch
     proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_DDIPP, str(out / "tabular_cat" / "export.pkl")],
@@ -137,12 +142,14 @@ def test_a_launched_export_loads_where_ddipp_is_not_installed(launch, ranks):
     assert float(proc.stdout.split()[-1]) == ranks[0]["tabular_cat"]["weights_sum"]
 
 
+@pytest.mark.slow
 def test_save_to_a_buffer_gives_every_launched_rank_the_bytes_of_its_weights(ranks):
     for rank in ranks:
         size, same = rank["tabular_cat"]["saved_to_buffer"]
         assert size > 0 and same
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runs", MODES, indirect=True)
 def test_classifier_predictions_in_the_fit_are_one_processs_get_preds(runs):
     assert runs["clas"]["n_preds"] == 100 and runs["clas"]["preds_gap"] <= 1e-5
@@ -162,6 +169,7 @@ def _lm_batches(dl, order) -> list:
     return [x for x, _ in dl]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runs", MODES, indirect=True)
 def test_language_model_ranks_read_rows_r_r_plus_n_of_the_global_batchs_streams(runs, request, lm_one):
     seen = [runs] if request.node.callspec.params["runs"] == "notebook" else request.getfixturevalue("ranks")
@@ -177,13 +185,16 @@ def test_language_model_ranks_read_rows_r_r_plus_n_of_the_global_batchs_streams(
                 assert torch.equal(torch.tensor(batch), expected[k][r::2]), (epoch, r, k)
 
 
+@pytest.mark.slow
 def test_classifier_ranks_split_each_global_batch_and_pad_their_parts_alike(ranks):
     r0, r1 = (rank["clas"] for rank in ranks)
+    assert len(r0["orders"]) == len(r1["orders"]) == 2 and r0["widths"], r0  # the last fit's 2 epochs and steps
     for mine, theirs in zip(r0["orders"], r1["orders"]):  # each epoch of the last fit
         assert len(mine) == len(theirs) == 160 and len(set(mine) | set(theirs)) == 320
     assert r0["widths"] == r1["widths"]  # every step, both parts padded to the global batch's longest document
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runs", MODES, indirect=True)
 def test_classifier_trains_on_length_buckets_in_a_new_order_each_epoch(runs, single):
     orders = runs["clas"]["orders"]  # rank 0's shard in each epoch of the classifier's last fit
@@ -192,6 +203,7 @@ def test_classifier_trains_on_length_buckets_in_a_new_order_each_epoch(runs, sin
     assert runs["clas"]["padding"] <= 1.25 * one + 0.01, (runs["clas"]["padding"], one)  # random batches: 0.45
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runs", MODES, indirect=True)
 def test_classifier_fine_tunes_the_loaded_encoder_with_gradual_unfreezing(runs, single):
     for res in (runs["clas"], single["clas"]):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 WORKERS = Path(__file__).parent / "workers"
-sys.path.insert(0, str(WORKERS))
-from fit_story import (N_TRAIN, TOL, close, digits_dls, digits_learner, failed_fit, max_diff,  # noqa: E402
-                       saved_and_exported, state, story, sweep, tabular_digits_learner, tiny_valid)
+from compare import TOL, close, max_diff
+from fit_story import (N_TRAIN, digits_dls, digits_learner, failed_fit, saved_and_exported, state, story, sweep,
+                       tabular_digits_learner, tiny_valid)
 
-from ddipp import GCCallback  # noqa: E402
+from ddipp import GCCallback
 
 
 
@@ -48,6 +48,7 @@ def reference(tmp_path_factory):
 PHASES = ["fit", "frozen", "unfrozen", "fine_tune"]  # fit_one_cycle; freeze + fit; unfreeze + fit_flat_cos; fine_tune
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", PHASES)
 def test_two_ranks_train_the_parameters_one_process_trains_with_the_global_batch(ranks, reference, phase):
     (r0, r1), _ = ranks
@@ -56,6 +57,7 @@ def test_two_ranks_train_the_parameters_one_process_trains_with_the_global_batch
     assert max_diff(r0["story"][key], reference[key]) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", PHASES)
 def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, reference, phase):
     (r0, r1), _ = ranks
@@ -66,12 +68,14 @@ def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, refer
     assert close(r0["story"][key], reference[key])
 
 
+@pytest.mark.slow
 def test_the_loss_of_each_step_is_the_global_batchs_on_every_rank(ranks, reference):
     (r0, r1), _ = ranks
     assert len(r0["story"]["step_losses"]) == 20 and r0["story"]["step_losses"] == r1["story"]["step_losses"]
     assert close(r0["story"]["step_losses"], reference["step_losses"])
 
 
+@pytest.mark.slow
 def test_validate_and_get_preds_between_fits_cover_the_whole_set_on_every_rank(ranks, reference):
     (r0, r1), _ = ranks
     assert r0["story"]["validate"] == r1["story"]["validate"]
@@ -81,6 +85,7 @@ def test_validate_and_get_preds_between_fits_cover_the_whole_set_on_every_rank(r
         assert max_diff([rank["story"]["preds"]], [reference["preds"]]) <= TOL
 
 
+@pytest.mark.slow
 def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path):
     (r0, r1), _ = ranks
     three = tiny_valid(digits_learner(digits_dls(bs=32, val_bs=2, n_valid=3), tmp_path))  # batches of 2 and 1 item
@@ -89,11 +94,13 @@ def test_validation_is_exact_when_a_rank_has_nothing_to_validate(ranks, tmp_path
         assert close(rank["tiny_valid"], three) and close(rank["one_valid"], one)
 
 
+@pytest.mark.slow
 def test_plain_model_and_original_loaders_are_back_after_each_fit(ranks):
     (r0, r1), _ = ranks
     assert r0["story"]["restored"] and r1["story"]["restored"]
 
 
+@pytest.mark.slow
 def test_lr_find_solo_sweeps_once_on_rank0_like_one_process_with_its_batch(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = sweep(digits_learner(digits_dls(bs=32), tmp_path), sweep_bs=16)  # trained as 2 ranks, swept alone
@@ -102,6 +109,7 @@ def test_lr_find_solo_sweeps_once_on_rank0_like_one_process_with_its_batch(ranks
     assert close(r0["solo_sweep"], single)
 
 
+@pytest.mark.slow
 def test_lr_find_distributed_sweeps_with_the_global_batch_like_one_process(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = sweep(digits_learner(digits_dls(bs=32), tmp_path))
@@ -110,6 +118,7 @@ def test_lr_find_distributed_sweeps_with_the_global_batch_like_one_process(ranks
     assert close(r0["distributed_sweep"], single)
 
 
+@pytest.mark.slow
 def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
     (r0, r1), _ = ranks
     assert len(r0["shuffled_orders"]) == 3
@@ -119,12 +128,14 @@ def test_shuffled_training_uses_each_item_once_per_epoch_in_a_new_order(ranks):
     assert r0["shuffled_orders"][0] != r0["shuffled_orders"][1] != r0["shuffled_orders"][2]
 
 
+@pytest.mark.slow
 def test_a_loader_with_an_order_of_its_own_is_sharded_in_that_order(ranks):
     (r0, r1), _ = ranks
     backwards = list(reversed(range(N_TRAIN)))[:N_TRAIN - 1]
     assert r0["own_orders"] == [backwards[0::2]] and r1["own_orders"] == [backwards[1::2]]
 
 
+@pytest.mark.slow
 def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fit_works(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = failed_fit(digits_learner(digits_dls(bs=32), tmp_path))
@@ -134,6 +145,7 @@ def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fi
         assert close(rank["failed_fit"]["fit"], single["fit"])
 
 
+@pytest.mark.slow
 def test_a_per_process_batch_larger_than_a_ranks_share_or_a_torch_loader_is_refused_naming_the_fix(ranks):
     (r0, r1), _ = ranks
     for rank in (r0, r1):
@@ -145,6 +157,7 @@ def test_a_per_process_batch_larger_than_a_ranks_share_or_a_torch_loader_is_refu
                 "with fastai's DataLoader") in rank["torch_loader"]
 
 
+@pytest.mark.slow
 def test_sync_bn_save_load_and_export_keep_one_processs_weights_on_every_rank(ranks, tmp_path):
     (r0, r1), _ = ranks
     single = tabular_digits_learner(tmp_path, bs=32)  # BatchNorm: equal to one process only with sync_bn
@@ -157,6 +170,7 @@ def test_sync_bn_save_load_and_export_keep_one_processs_weights_on_every_rank(ra
         assert rank["saved"]["files"] == ["final.pkl", "models/final.pth"]  # no temporary file left
 
 
+@pytest.mark.slow
 def test_only_rank0_draws_progress_and_the_results_table(ranks):
     _, out = ranks
     rank0, rank1 = ((out / f"stdout{r}.txt").read_text() for r in range(2))
@@ -172,6 +186,7 @@ def test_gc_callback_collects_at_the_end_of_each_fit(tmp_path, capsys):
     assert capsys.readouterr().out.count("GCCallback (rank 0): collected") == 2
 
 
+@pytest.mark.slow
 def test_a_launched_rank_that_raises_ends_the_run_with_its_error_long_before_the_timeout(launched):
     _, rc, stderr, seconds = launched
     # a third of the 60 s timeout (as in the v1 suite): 5-6 s on a quiet machine

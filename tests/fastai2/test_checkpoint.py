@@ -1,7 +1,6 @@
 """Checkpoint (fastai v2): resuming a 4-epoch one-cycle fit after epoch 2, on 2 ranks (`extras_ranks`) and in one
 process; resuming a 3-epoch fit after epoch 2 on the loaders fastai users build."""
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +21,10 @@ from torch.utils.data import TensorDataset
 import ddipp
 from ddipp.core.rng import seed_all
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import image_folder, tiny_cnn  # noqa: E402
-from extras import StopAt, ckpt_learner, launched, resume_story  # noqa: E402
-from fit_story import TOL, close, max_diff, params  # noqa: E402
+from conftest import image_folder, tiny_cnn
+from extras import StopAt, ckpt_learner, launched, resume_story
+from compare import TOL, close, max_diff
+from fit_story import params
 
 
 @pytest.fixture
@@ -34,6 +33,7 @@ def extras_ranks(tmp_path_factory):
     return launched(tmp_path_factory.getbasetemp())
 
 
+@pytest.mark.slow
 def test_resumed_fit_ends_with_the_parameters_of_the_uninterrupted_fit_on_2_ranks(extras_ranks):
     (r0, r1), _ = extras_ranks
     for rank in (r0, r1):
@@ -44,6 +44,7 @@ def test_resumed_fit_ends_with_the_parameters_of_the_uninterrupted_fit_on_2_rank
         assert close(res["resumed"]["values"][2:], res["full"]["values"][2:])
 
 
+@pytest.mark.slow
 def test_only_rank0_writes_one_file_per_epoch(extras_ranks):
     (r0, r1), out = extras_ranks
     assert [p.rsplit("/", 1)[1] for p in r0["replaced"]] == ["full.pth"] * 4 + ["cut.pth"] * 2 + ["cut.pth"] * 2

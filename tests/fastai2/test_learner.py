@@ -75,6 +75,7 @@ def test_to_ddp_in_a_launched_process_refuses_devices_the_launcher_did_not_start
     assert str(raised.value) == message and _ddipp_callbacks(learn) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs, message", [
     (dict(timeout=0), "to_ddp(timeout=0): timeout is the seconds a rank may wait for the others, a number > 0 "
                       "(default 600)"),

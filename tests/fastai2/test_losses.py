@@ -1,14 +1,10 @@
 """GlobalBatchLoss (fastai v2): a pairwise loss trained on 2 ranks (the `extras_ranks` run) against one process."""
-import sys
-from pathlib import Path
 
 import pytest
 
 import ddipp
-
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from extras import collapsed_loss, launched, pairs_dls, pairs_fit, pairs_learner  # noqa: E402
-from fit_story import TOL, close, max_diff  # noqa: E402
+from extras import collapsed_loss, launched, pairs_dls, pairs_fit, pairs_learner
+from compare import TOL, close, max_diff
 
 
 @pytest.fixture
@@ -23,6 +19,7 @@ def single():
     return pairs_fit(pairs_learner(pairs_dls(bs=32)))
 
 
+@pytest.mark.slow
 def test_pairwise_regression_trains_on_2_ranks_as_one_process_with_the_global_batch(extras_ranks, single):
     (r0, r1), _ = extras_ranks
     assert max_diff(r0["pairs"]["params"], r1["pairs"]["params"]) == 0
@@ -31,11 +28,13 @@ def test_pairwise_regression_trains_on_2_ranks_as_one_process_with_the_global_ba
     assert close(r0["pairs"]["losses"], single["losses"])  # the recorded train loss is the global-batch loss
 
 
+@pytest.mark.slow
 def test_it_learns_the_distances_instead_of_collapsing(extras_ranks):
     (r0, _), _ = extras_ranks
     assert r0["pairs"]["values"][-1][1] < 0.2 * collapsed_loss()
 
 
+@pytest.mark.slow
 def test_without_it_each_rank_sees_only_its_own_pairs(extras_ranks, single):
     (r0, _), _ = extras_ranks
     assert max_diff(r0["pairs_local"]["params"], single["params"]) > 1e-3

@@ -1,13 +1,10 @@
 """SumMetric (fastai v2): a metric of sums over the validation set, on 2 ranks (`extras_ranks`) and in one process."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from extras import OutputMoments, digits_dls, digits_learner, launched, moments_fit  # noqa: E402
-from fit_story import TOL, close, max_diff  # noqa: E402
+from extras import OutputMoments, digits_dls, digits_learner, launched, moments_fit
+from compare import TOL, close, max_diff
 
 
 @pytest.fixture
@@ -16,6 +13,7 @@ def extras_ranks(tmp_path_factory):
     return launched(tmp_path_factory.getbasetemp())
 
 
+@pytest.mark.slow
 def test_mean_and_covariance_of_the_outputs_equal_one_process_on_359_items_and_as_a_training_metric(extras_ranks):
     (r0, r1), _ = extras_ranks
     single = moments_fit(digits_learner(digits_dls(bs=32)))  # 359 validation items, batches of 64

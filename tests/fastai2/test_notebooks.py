@@ -58,6 +58,7 @@ def _weights(path):
     return state.get("model", state)
 
 
+@pytest.mark.slow
 def test_notebook_runs_and_brings_rank0s_training_back(executed):
     name, notebook, displays, folder = executed
     metric, bound, saved_here, saved_by_rank0 = EXPECTED[name]
@@ -77,6 +78,7 @@ def _unexplained(stderr: str) -> str:
     return WARNING.sub(lambda m: "" if any(re.match(w, m.group(1)) for w in FASTAI_WARNINGS) else m.group(0), stderr)
 
 
+@pytest.mark.slow
 def test_notebook_shows_only_fastais_own_warnings_and_no_learner_repr(executed):
     """No red box but fastai's own: any other stderr is noise (torch's, ddipp's); to_ddp's cell ends with ';'."""
     _, notebook, _, _ = executed

@@ -1,15 +1,11 @@
 """Throughput (fastai v2): samples, distinct samples and samples/s per epoch, on 2 ranks (`extras_ranks`) and in one
 process."""
-import sys
-from pathlib import Path
 
 import pytest
 
 import ddipp
-
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from extras import digits_dls, digits_learner, launched, throughput_fit  # noqa: E402
-from fit_story import max_diff  # noqa: E402
+from extras import digits_dls, digits_learner, launched, throughput_fit
+from compare import max_diff
 
 
 @pytest.fixture
@@ -21,6 +17,7 @@ def extras_ranks(tmp_path_factory):
 TRAINED = (1797 - 359) // 32 * 32  # digits' training set in full batches of 32: 1408 items
 
 
+@pytest.mark.slow
 def test_two_ranks_process_each_training_item_once_per_epoch(extras_ranks):
     (r0, r1), _ = extras_ranks
     t0, t1 = r0["throughput"], r1["throughput"]
@@ -31,6 +28,7 @@ def test_two_ranks_process_each_training_item_once_per_epoch(extras_ranks):
         assert samples == distinct == TRAINED and rate > 0
 
 
+@pytest.mark.slow
 def test_the_results_table_shows_it_and_the_comparison_is_one_line_on_rank0(extras_ranks):
     _, out = extras_ranks
     rank0, rank1 = ((out / f"stdout{r}.txt").read_text() for r in range(2))
@@ -40,6 +38,7 @@ def test_the_results_table_shows_it_and_the_comparison_is_one_line_on_rank0(extr
     assert "ddipp throughput" not in rank1
 
 
+@pytest.mark.slow
 def test_the_comparison_leaves_weights_and_order_as_they_were(extras_ranks):
     (r0, _), _ = extras_ranks
     assert max_diff(r0["throughput"]["params"], r0["no_throughput"]) == 0

@@ -18,8 +18,8 @@ from torch import nn
 
 from ddipp.core.group.binding import FitOnGroup
 from ddipp.core.group.group import _groups
-from scenario import (TOL, between_fits, close, digits_data, digits_learner, history, max_diff, params, story,
-                      tabular_digits_learner)
+from compare import TOL, close, max_diff
+from scenario import between_fits, digits_data, digits_learner, history, params, story, tabular_digits_learner
 
 CPU2 = ("cpu", "cpu")
 
@@ -34,6 +34,7 @@ def notebook(tmp_path_factory):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["params_fit", "params_frozen", "params_unfrozen", "params_loaded"])
 def test_the_notebook_learner_gets_the_weights_a_launched_run_and_one_process_train(notebook, ranks, reference,
                                                                                      stage):
@@ -42,23 +43,27 @@ def test_the_notebook_learner_gets_the_weights_a_launched_run_and_one_process_tr
     assert max_diff(notebook[stage], reference[stage]) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["fit", "fit_frozen", "fit_unfrozen", "sweep_before", "sweep_after"])
 def test_the_notebook_recorder_is_the_launched_one(notebook, ranks, stage):
     (r0, _), _ = ranks
     assert notebook[stage] == r0["story"][stage]
 
 
+@pytest.mark.slow
 def test_validate_and_get_preds_in_the_notebook_after_remote_fits(notebook, reference):
     assert notebook["plot"] and notebook["restored"]
     assert close(notebook["validate"], reference["validate"])
     assert max_diff([notebook["preds"]], [reference["preds"]]) <= TOL
 
 
+@pytest.mark.slow
 def test_fits_reuse_the_same_workers(notebook):
     started, finished = notebook["pids"]
     assert started == finished and len(set(started)) == 2
 
 
+@pytest.mark.slow
 def test_changes_made_between_fits_are_honoured(tmp_path):
     group_fits = between_fits(digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2), bs=16)
     single = between_fits(digits_learner(digits_data(tmp_path / "one", bs=32)), bs=32)
@@ -70,6 +75,7 @@ def test_changes_made_between_fits_are_honoured(tmp_path):
     assert max_diff(group_fits["opt_state"], single["opt_state"]) <= TOL  # Adam's moments came back too
 
 
+@pytest.mark.slow
 def test_a_notebook_that_seeds_torch_gets_the_same_numbers_run_after_run(tmp_path):
     def seeded_run():
         learn = digits_learner(digits_data(tmp_path, bs=16, shuffle=True)).to_ddp(nprocs=2)
@@ -79,6 +85,7 @@ def test_a_notebook_that_seeds_torch_gets_the_same_numbers_run_after_run(tmp_pat
     assert max_diff(seeded_run(), seeded_run()) == 0
 
 
+@pytest.mark.slow
 def test_unchanged_data_is_sent_once(tmp_path):
     learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
     group = _groups[CPU2]
@@ -93,6 +100,7 @@ def test_unchanged_data_is_sent_once(tmp_path):
     assert 0 < again["call"] < first["data"] / 10
 
 
+@pytest.mark.slow
 def test_rank0_prints_and_the_results_table_show_here_like_a_local_fit(tmp_path, capsys):
     import ddipp
     from fastai.basic_train import LearnerCallback
@@ -120,6 +128,7 @@ def test_rank0_prints_and_the_results_table_show_here_like_a_local_fit(tmp_path,
     assert "Epoch 2/2" in remote_out and "[44/44" in remote_out  # the console bars, with rank 0's batches
 
 
+@pytest.mark.slow
 def test_a_language_model_trains_in_notebook_mode_as_one_process_does(tmp_path):
     import apps  # the text task of tests/test_apps.py (tests/workers)
 
@@ -225,6 +234,7 @@ def test_a_fastai_callback_in_a_notebook_fit_gives_what_a_local_fit_gives(tmp_pa
             assert np.allclose(got.values, want.values, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_mixup_in_a_notebook_fit_trains_as_a_local_fit_does(tmp_path):
     def accuracy_after(learn):
         learn.mixup().fit(4, 1e-2)
@@ -234,6 +244,7 @@ def test_mixup_in_a_notebook_fit_trains_as_a_local_fit_does(tmp_path):
     assert abs(remote - local) <= 0.03, (remote, local)  # the mixed pairs differ: within a rank's batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, message", [
     ("OverSamplingCallback", "OverSamplingCallback would make every rank draw its own sample"),
     ("AccumulateScheduler-mean", "AccumulateScheduler with a loss of reduction='mean'")])
@@ -248,6 +259,7 @@ def test_a_callback_that_cannot_work_under_ddp_is_refused_before_the_first_step(
     assert max_diff(params(learn), before) == 0
 
 
+@pytest.mark.slow
 def test_the_global_batch_is_said_at_binding_and_again_when_the_batch_size_changes(tmp_path, capsys):
     learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
     learn.fit(1, 1e-2)
@@ -293,6 +305,7 @@ class LockingStepCounter(StepCounter):
         self.lock = threading.Lock()
 
 
+@pytest.mark.slow
 def test_a_callback_given_to_one_fit_comes_back_with_what_the_fit_did_to_it(tmp_path, capsys):
     def counted(learn):
         counters = [StepCounter(), LearnerStepCounter(learn)]
@@ -324,6 +337,7 @@ def _rebuilt_between_fits(learn):
     return bound, weights
 
 
+@pytest.mark.slow
 def test_the_binding_survives_purge_and_load_with_purge(tmp_path):
     bound, remote = _rebuilt_between_fits(digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2))
     _, local = _rebuilt_between_fits(digits_learner(digits_data(tmp_path / "one", bs=32)))
@@ -332,6 +346,7 @@ def test_the_binding_survives_purge_and_load_with_purge(tmp_path):
     # would have trained on steps of 16, not 32
 
 
+@pytest.mark.slow
 def test_destroy_takes_the_learner_off_its_workers_and_says_so(tmp_path, capsys):
     other = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)  # keeps the workers for the next tests
     learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
@@ -344,6 +359,7 @@ def test_destroy_takes_the_learner_off_its_workers_and_says_so(tmp_path, capsys)
     assert not {"ddp", "fit", "purge", "destroy"} & set(vars(plain))  # fastai's own methods again
 
 
+@pytest.mark.slow
 def test_a_distributed_sweep_in_the_notebook_runs_its_num_it_steps_to_end_lr(tmp_path):
     from scenario import sweep
     learn = digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2, lr_find_mode="distributed")

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(1)
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).resolve().parents[3] / "examples")]
 
 import ddipp  # noqa: E402
 import apps  # noqa: E402

@@ -5,10 +5,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import ddipp  # noqa: E402
-from scenario import digits_data, digits_learner, history, params  # noqa: E402
+import ddipp
+from scenario import digits_data, digits_learner, history, params
 
 out = Path(sys.argv[1])
 learn = digits_learner(digits_data(out, bs=32))

@@ -14,7 +14,6 @@ os.environ["TMPDIR"] = tempfile.tempdir = str(out / "tmp")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-sys.path.insert(0, str(Path(__file__).parent))
 
 import ddipp  # noqa: E402
 from scenario import (EpochOrders, between_fits, csv_fits, decisions, digits_data, digits_learner,  # noqa: E402

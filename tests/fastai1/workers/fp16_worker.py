@@ -8,10 +8,8 @@ from fastai.basic_data import DataBunch
 from sklearn.datasets import load_digits
 from torch.utils.data import TensorDataset
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import ddipp  # noqa: E402
-from scenario import digits_learner  # noqa: E402
+import ddipp
+from scenario import digits_learner
 
 
 def fp16_fit(path) -> dict:

@@ -20,25 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddipp
 
 
-TOL = 1e-5  # how close a 2-rank number must be to the one-process number (float summation order differs)
-
-
-def max_diff(a, b):
-    """The largest difference between two lists of tensors."""
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
-
-
-def close(a, b, tol=TOL):
-    """Equal structure, numbers within `tol`."""
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
-    if a is None or isinstance(a, bool):
-        return a == b
-    return abs(float(a) - float(b)) <= tol
-
-
 def batch_max_prob(out, targ):
     """A metric that depends on how the set is batched: exact only if every batch is the single-process one."""
     return out.softmax(-1).max()

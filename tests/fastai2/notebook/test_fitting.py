@@ -14,12 +14,12 @@ from fastai.callback.core import Callback
 from fastai.learner import load_learner
 
 WORKERS = Path(__file__).parents[1] / "workers"
-sys.path.insert(0, str(WORKERS))
-from fit_story import (TOL, changes_between_fits, close, digits_dls, digits_learner, history, max_diff,  # noqa: E402
-                       params, story, sweep, tabular_digits_learner, wide_digits_learner)
+from compare import TOL, close, max_diff
+from fit_story import (changes_between_fits, digits_dls, digits_learner, history, params, story, sweep,
+                       tabular_digits_learner, wide_digits_learner)
 
-import ddipp  # noqa: E402
-from ddipp.core.group.group import WorkerError, _groups  # noqa: E402
+import ddipp
+from ddipp.core.group.group import WorkerError, _groups
 
 CPU2 = ("cpu", "cpu")
 PHASES = ["fit", "frozen", "unfrozen", "fine_tune"]  # fit_one_cycle; freeze + fit; unfreeze + fit_flat_cos; fine_tune
@@ -41,6 +41,7 @@ def reference(tmp_path_factory):
     return story(digits_learner(digits_dls(bs=32), tmp_path_factory.mktemp("ref")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", PHASES)
 def test_the_notebook_learner_gets_the_weights_and_recorder_one_process_trains(notebook, reference, phase):
     recorded = phase if phase in ("fit", "fine_tune") else "fit_" + phase  # story's names for the histories
@@ -48,20 +49,24 @@ def test_the_notebook_learner_gets_the_weights_and_recorder_one_process_trains(n
     assert close(notebook[recorded], reference[recorded])
 
 
+@pytest.mark.slow
 def test_a_callback_given_to_fit_comes_back_with_what_the_fit_did_to_it(notebook, reference):
     assert len(notebook["step_losses"]) == 20 and close(notebook["step_losses"], reference["step_losses"])
 
 
+@pytest.mark.slow
 def test_validate_and_get_preds_in_the_notebook_after_remote_fits(notebook, reference):
     assert notebook["restored"] and close(notebook["validate"], reference["validate"])
     assert max_diff([notebook["preds"]], [reference["preds"]]) <= TOL
 
 
+@pytest.mark.slow
 def test_fits_reuse_the_same_workers(notebook):
     started, finished = notebook["pids"]
     assert started == finished and len(set(started)) == 2
 
 
+@pytest.mark.slow
 def test_what_users_do_after_a_fit_works_on_the_notebook_learner(notebook, tmp_path):
     """plot_loss, predict, export and load_learner (the loaded learner predicts the same), as after a local fit."""
     import matplotlib
@@ -85,6 +90,7 @@ class DiesOnRank1(Callback):
             os._exit(3)
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_is_named_rank0s_training_stays_and_the_next_fit_starts_a_new_group(notebook, tmp_path):
     learn = digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2)
     learn.fit(1, 1e-2)
@@ -102,6 +108,7 @@ def test_a_rank_that_dies_is_named_rank0s_training_stays_and_the_next_fit_starts
     assert len(history(learn)["values"]) == 1 and [p.pid for p in _groups[CPU2].procs] != workers
 
 
+@pytest.mark.slow
 def test_lr_find_sweeps_once_on_rank0_and_the_notebook_gets_its_suggestion(notebook, tmp_path):
     """Solo mode: after a fit with the global batch, rank 0 sweeps alone with its own batch (16), as one process does
     after the same fit (batch 32) with a sweep on batch 16."""
@@ -111,6 +118,7 @@ def test_lr_find_sweeps_once_on_rank0_and_the_notebook_gets_its_suggestion(noteb
     assert remote["valley"] == local["valley"] and close(remote["losses"], local["losses"])
 
 
+@pytest.mark.slow
 def test_unchanged_data_is_sent_once_and_new_data_again(notebook, tmp_path):
     learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
     learn.fit(1, 1e-2)
@@ -122,6 +130,7 @@ def test_unchanged_data_is_sent_once_and_new_data_again(notebook, tmp_path):
     assert group.last_sent["data"] > 0 and len(learn.recorder.losses) == 10
 
 
+@pytest.mark.slow
 def test_the_global_batch_is_said_again_when_new_loaders_change_the_batch_size(notebook, tmp_path, capsys):
     learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
     assert capsys.readouterr().out.count("ddipp: global batch 32 = 16 per process x 2") == 1
@@ -133,6 +142,7 @@ def test_the_global_batch_is_said_again_when_new_loaders_change_the_batch_size(n
     assert "ddipp: global batch" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_refit_sends_only_what_changed_and_every_change_is_honoured(notebook, tmp_path):
     learn = wide_digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2)
     sent = changes_between_fits(learn, sent=lambda: _groups[CPU2].last_sent["call"] // 2)  # bytes to each worker
@@ -152,6 +162,7 @@ class SaysHello(Callback):
         print(f"hello from rank {ddipp.rank()}")
 
 
+@pytest.mark.slow
 def test_rank0_prints_and_the_results_table_show_here_like_a_local_fit(notebook, tmp_path, capsys):
     learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
     capsys.readouterr()
@@ -167,6 +178,7 @@ class HoldsALock(Callback):
         self.lock, self.best = threading.Lock(), 0.5
 
 
+@pytest.mark.slow
 def test_an_unpicklable_callback_attribute_is_named_and_costs_nothing_else(notebook, tmp_path, capsys):
     learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
     holder = HoldsALock()
@@ -177,6 +189,7 @@ def test_an_unpicklable_callback_attribute_is_named_and_costs_nothing_else(noteb
     assert "HoldsALock (learn.holds_a_lock) came back with lock set to None" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_unpicklable_learner_attribute_is_refused_before_the_fit_naming_its_path(notebook, tmp_path):
     learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
     learn.handle = threading.Lock()
@@ -191,6 +204,7 @@ class FailOnRank1(Callback):
             raise ValueError("rank 1 fails on purpose")
 
 
+@pytest.mark.slow
 def test_an_exception_on_a_rank_raises_here_as_itself(notebook, tmp_path):
     learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
     with pytest.raises(ValueError) as raised:
@@ -223,6 +237,7 @@ def _failed_then_refit(learn, rank):
     return failed, dict(history(learn), params=params(learn))
 
 
+@pytest.mark.slow
 def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(notebook, tmp_path, capsys):
     """As a local fit that fails: the weights, optimizer state and recorder of the last completed step (epoch 0 and 6
     steps of epoch 1), learn.epoch 1; the same workers run the next fit, which goes on as one process goes on."""
@@ -243,8 +258,9 @@ def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(notebook, 
     assert max_diff(refit["params"], local_refit["params"]) <= TOL and close(refit["values"], local_refit["values"])
 
 
+@pytest.mark.slow
 def test_an_interrupt_stops_every_rank_keeps_what_was_trained_and_a_killed_notebook_leaves_no_worker(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(WORKERS))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, str(WORKERS / "notebook_parent.py"), str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

@@ -3,7 +3,6 @@ a rank) against a local fit of the same learner with the global batch 32: weight
 did. Every test fits on the one group the `group` fixture starts (binding another learner to it reuses it)."""
 import math
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,17 +26,15 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import TensorDataset
 
-WORKERS = Path(__file__).parents[1] / "workers"
-sys.path.insert(0, str(WORKERS))
-from fit_story import TOL, close, digits_dls, digits_learner, history, max_diff, params  # noqa: E402
-
-import ddipp  # noqa: E402, F401 (Learner.to_ddp)
-from ddipp.core.group.group import _groups  # noqa: E402
-from ddipp.core.rng import seed_all  # noqa: E402
-from ddipp.fastai2.notebook.progress import ProgressMirror  # noqa: E402
+import ddipp  # noqa: F401 (Learner.to_ddp)
+from compare import TOL, close, max_diff
+from ddipp.core.group.group import _groups
+from ddipp.core.rng import seed_all
+from ddipp.fastai2.notebook.progress import ProgressMirror
+from fit_story import digits_dls, digits_learner, history, params
 
 CPU2 = ("cpu", "cpu")
-pytestmark = pytest.mark.usefixtures("group")
+pytestmark = [pytest.mark.usefixtures("group"), pytest.mark.slow]  # every test fits on the group's workers
 MIX_SEED = 5  # what the notebook seeds torch with before a MixUp or CutMix fit
 
 

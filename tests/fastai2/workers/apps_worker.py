@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, str(Path(__file__).parent))
 
 import ddipp  # noqa: E402
 import apps  # noqa: E402

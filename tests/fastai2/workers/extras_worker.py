@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, str(Path(__file__).parent))
 
 import ddipp  # noqa: E402
 from extras import (digits_dls, digits_learner, moments_fit, pairs_dls, pairs_fit, pairs_learner,  # noqa: E402

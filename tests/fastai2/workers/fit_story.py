@@ -16,25 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset
 
-TOL = 1e-5  # how close a 2-rank number must be to the one-process number (float summation order differs)
+from compare import max_diff
+
 N_TRAIN = 645  # digits that train, after the 101 that validate: 20 steps of 32 an epoch (5 left); odd, so 2 ranks
 # drop the last position of each epoch's order
-
-
-def max_diff(a, b) -> float:
-    """The largest difference between two lists of tensors."""
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
-
-
-def close(a, b, tol=TOL) -> bool:
-    """Equal structure, numbers within `tol`."""
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
-    if a is None or isinstance(a, (bool, str)):
-        return a == b
-    return abs(float(a) - float(b)) <= tol
 
 
 def batch_max_prob(out, targ):

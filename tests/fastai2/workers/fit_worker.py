@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, str(Path(__file__).parent))
 
 import ddipp  # noqa: E402
 from fastai.callback.core import Callback  # noqa: E402

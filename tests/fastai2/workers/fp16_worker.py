@@ -5,13 +5,11 @@ import sys
 from pathlib import Path
 
 import torch
+from fastai.callback.fp16 import MixedPrecision  # (also adds Learner.to_fp16)
+from fastai.metrics import accuracy
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import ddipp  # noqa: E402
-from fastai.callback.fp16 import MixedPrecision  # noqa: E402 (also adds Learner.to_fp16)
-from fastai.metrics import accuracy  # noqa: E402
-from fit_story import digits_dls, digits_learner  # noqa: E402
+import ddipp
+from fit_story import digits_dls, digits_learner
 
 
 def fp16_fit(path) -> dict:
