@@ -36,17 +36,19 @@ def test_local_rank_i_runs_on_the_ith_listed_device(clean_env, devices, local_ra
     assert ddipp.device() == torch.device(expected)
 
 
+@pytest.mark.slow
 def test_helpers_in_a_two_process_gloo_group(tmp_path):
-    launch_2_ranks(Path(__file__).parents[1] / "fastai1" / "workers" / "dist_worker.py", tmp_path)
+    launch_2_ranks(Path(__file__).parent / "workers" / "dist_worker.py", tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, got in enumerate(ranks):
         assert got["before_init"] == dict(rank=r, world_size=2, device="cpu")
         assert (got["rank"], got["world_size"], got["is_rank0"]) == (r, 2, r == 0)
-        assert got["device"] == got["fastai_device"] == "cpu"
+        assert got["device"] == "cpu"
         assert got["backend"] == "gloo"
         assert got["marker_seen_after_barrier"]
 
 
+@pytest.mark.slow
 def test_a_rank_stopped_by_a_peers_failure_names_that_rank_and_its_error(tmp_path):
     launch_2_ranks(Path(__file__).parents[1] / "workers" / "leave_worker.py", tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
@@ -57,6 +59,7 @@ def test_a_rank_stopped_by_a_peers_failure_names_that_rank_and_its_error(tmp_pat
         assert (rank["world_size_after"], rank["initialized_after"]) == (1, False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cores, ranks, default, chosen, expected", [
     (8, 2, 8, 8, 4), (16, 8, 16, 16, 2), (2, 4, 2, 2, 1), (8, 2, 8, 3, 3), (8, 2, 8, 0, 0), (8, 1, 8, 8, 8)])
 def test_a_loader_left_at_fastais_default_gets_the_ranks_share_of_the_cores(monkeypatch, cores, ranks, default,

@@ -15,7 +15,8 @@ from fastai.basic_train import Learner, load_learner
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import WITHOUT_DDIPP
-from scenario import max_diff, method_facts, params, tabular_digits_learner
+from compare import max_diff
+from scenario import method_facts, params, tabular_digits_learner
 
 
 @pytest.fixture
@@ -114,6 +115,7 @@ def test_a_launched_learners_save_replaces_its_file_only_once_whole(learn, monke
     assert "save" not in vars(learn)
 
 
+@pytest.mark.slow
 def test_a_launched_learners_validate_save_and_export_are_fastais_bound_methods(ranks, learn):
     plain = {name: method_facts(getattr(learn, name)) for name in ("validate", "save", "export")}
     assert all(facts["method"] for facts in plain.values())
@@ -121,6 +123,7 @@ def test_a_launched_learners_validate_save_and_export_are_fastais_bound_methods(
         assert rank["exported"]["methods"] == plain
 
 
+@pytest.mark.slow
 def test_save_and_export_to_a_buffer_give_every_rank_the_bytes(ranks, tmp_path):
     (r0, r1), _ = ranks
     trained = r0["exported"]["trained"]
@@ -145,6 +148,7 @@ torch.save([p.detach() for p in learn.model.parameters()], out)
 """
 
 
+@pytest.mark.slow
 def test_a_launched_export_loads_where_ddipp_is_not_installed(ranks, tmp_path):
     (r0, _), out = ranks
     env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", PYTHONWARNINGS="ignore")
@@ -153,3 +157,8 @@ def test_a_launched_export_loads_where_ddipp_is_not_installed(ranks, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert max_diff(torch.load(tmp_path / "loaded.pt"), r0["exported"]["trained"]) == 0
 
+
+@pytest.mark.slow
+def test_a_launched_rank_s_fastai_device_is_ddipps(beyond_ranks):
+    (r0, r1), _ = beyond_ranks
+    assert r0["device"] == r0["fastai_device"] == r1["device"] == r1["fastai_device"] == "cpu"

@@ -1,13 +1,9 @@
-"""Faults in notebook mode: a rank that raises, dies or hangs, an interrupted or killed notebook; stopping.
-
-Each failure must surface here within seconds and leave the learner with what rank 0 trained up to its last completed
-step (if rank 0 lives), as a local fit that fails leaves it; the workers stay if every rank lives, else none is left
-behind and the next fit runs on a new group."""
+"""The notebook's worker group (ddipp.core.group) with plain torch: 2 CPU ranks in gloo, fits given by the plain-torch
+fitting module tests/core/workers/torch_fitting.py. A rank that raises, dies or hangs must surface here within seconds,
+naming its rank; the workers stay if every rank lives, else none is left behind; nothing listens beyond loopback."""
 import contextlib
-import gc
 import ipaddress
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -15,162 +11,117 @@ import sys
 import tempfile
 import threading
 import time
-from functools import partial
+from datetime import timedelta
 from pathlib import Path
 
+import cloudpickle
 import psutil
 import pytest
-from fastai.basic_train import LearnerCallback
-from fastai.callbacks import SaveModelCallback
+import torch
+import torch.distributed as dist
 
-import ddipp
-from ddipp.core.group.group import WorkerError, _groups, _loopback_store
-from scenario import TOL, close, digits_data, digits_learner, history, max_diff, params
+from ddipp.core.group.group import WorkerError, _groups, group_for, shutdown
+from ddipp.core.store import loopback_listener, loopback_store
 
 CPU2 = ("cpu", "cpu")
-WORKERS = os.path.join(os.path.dirname(__file__), "..", "..", "fastai1", "workers")
+FITTING = "torch_fitting"  # tests/core/workers/torch_fitting.py
 
 
-class FailOnRank1(LearnerCallback):
-    def on_batch_end(self, iteration, train, **kwargs):
-        if train and iteration == 3 and ddipp.rank() == 1:
-            raise ValueError("rank 1 fails on purpose")
+@pytest.fixture(autouse=True)
+def no_group_left():
+    yield
+    shutdown()
 
 
-class FailAt(LearnerCallback):
-    """Raises at the end of training step `STEP` of epoch 1, on rank `RANK` (a local fit is rank 0)."""
-    RANK, STEP = 1, 5
-
-    def on_batch_end(self, epoch, num_batch, train, **kwargs):
-        if train and epoch == 1 and num_batch == self.STEP and ddipp.rank() == self.RANK:
-            raise ValueError(f"rank {self.RANK} fails on purpose")
+def fit(group, call) -> object:
+    """Run `call(data, device)` on every rank of `group`; rank 0's result."""
+    results, interrupted = group.fit(torch.arange(4.0), cloudpickle.dumps(call), {}, None)
+    assert not interrupted
+    return cloudpickle.loads(results[0])
 
 
-class FailAtLocally(FailAt):
-    RANK = 0
+def summed(data, device):
+    """Every rank's rank + 1 and its data, all-reduced."""
+    total = data + dist.get_rank() + 1
+    dist.all_reduce(total)
+    return dist.get_rank(), dist.get_world_size(), total
 
 
-class DieOnRank1(LearnerCallback):
-    def on_batch_end(self, iteration, train, **kwargs):
-        if train and iteration == 3 and ddipp.rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+def fail_on_rank1(data, device):
+    """One all-reduce, then rank 1 raises while rank 0 waits in the next one."""
+    summed(data, device)
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    return summed(data, device)
 
 
-class StallRank1(LearnerCallback):
-    """Rank 1 stops taking part (stuck outside torch), so rank 0 waits in the next gradient all-reduce."""
+def die_on_rank1(data, device):
+    summed(data, device)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return summed(data, device)
 
-    def on_batch_end(self, iteration, train, **kwargs):
-        if train and iteration == 3 and ddipp.rank() == 1:
-            threading.Event().wait()
+
+def stall_rank1(data, device):
+    """Rank 1 stops taking part (stuck outside torch), so rank 0 waits in the next all-reduce."""
+    summed(data, device)
+    if dist.get_rank() == 1:
+        threading.Event().wait()
+    return summed(data, device)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+def _failing_fit(group, call, error):
+    """The error a fit of `call` raised here, and the seconds it took."""
+    started = time.monotonic()
+    with pytest.raises(error) as raised:
+        fit(group, call)
+    return raised.value, time.monotonic() - started
 
 
 def _no_workers_left() -> bool:
     return not psutil.Process().children(recursive=True)
 
 
-def _failing_fit(learn, callback, error, timeout=None):
-    """Fit with `callback` attached: the error raised, the seconds it took, whether the weights were kept."""
-    before = params(learn)
-    learn.callback_fns.append(callback)
-    started = time.monotonic()
-    with pytest.raises(error) as raised:
-        learn.fit(2, 1e-2)
-    took = time.monotonic() - started
-    learn.callback_fns.remove(callback)
-    return raised.value, took, max_diff(params(learn), before) == 0
+@pytest.mark.slow  # starts a worker group
+def test_a_fit_runs_on_every_rank_in_one_process_group_and_rank0s_result_comes_back():
+    rank, world, total = fit(group_for(CPU2, 60, FITTING), summed)
+    assert (rank, world) == (0, 2) and torch.equal(total, 2 * torch.arange(4.0) + 3)
 
 
-def test_an_exception_on_one_rank_raises_here_with_its_type_rank_and_traceback(tmp_path):
-    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
-    workers = [p.pid for p in _groups[CPU2].procs]
-    error, took, kept = _failing_fit(learn, FailOnRank1, ValueError)
-    assert str(error) == "rank 1 fails on purpose" and took < 10 and not kept  # 4 steps trained
+@pytest.mark.slow  # starts a worker group
+def test_an_exception_on_one_rank_raises_here_with_its_type_rank_and_traceback():
+    group = group_for(CPU2, 60, FITTING)
+    workers = [p.pid for p in group.procs]
+    error, took = _failing_fit(group, fail_on_rank1, ValueError)
+    assert str(error) == "rank 1 fails on purpose" and took < 10
     assert "raised on rank 1" in error.__notes__[0]
-    assert "in on_batch_end" in str(error.__cause__) and "FailOnRank1" not in str(error)
-    learn.fit(1, 1e-2)  # on the same workers
-    assert len(learn.recorder.val_losses) == 1 and [p.pid for p in _groups[CPU2].procs] == workers
+    assert "in fail_on_rank1" in str(error.__cause__)
+    assert fit(group, summed)[1] == 2  # on the same workers, in a new process group
+    assert [p.pid for p in _groups[CPU2].procs] == workers
 
 
-def _failed_then_refit(learn, capsys):
-    """Fit 1 epoch, 2 with FailAt (or FailAtLocally) attached, then 1 more: what the last two left, and the messages."""
-    learn.fit(1, 1e-2)
-    learn.callback_fns.append(FailAtLocally if "ddp" not in vars(learn) else FailAt)
-    with pytest.raises(ValueError, match="fails on purpose"):
-        learn.fit(2, 1e-2)
-    failed = dict(history(learn), params=params(learn), opt=_opt_state(learn), err=capsys.readouterr().err)
-    learn.callback_fns.pop()
-    started = time.monotonic()
-    learn.fit(1, 1e-2)
-    return failed, dict(history(learn), params=params(learn), took=time.monotonic() - started)
+@pytest.mark.slow  # starts a worker group
+def test_a_rank_that_dies_raises_a_worker_error_naming_it_and_the_next_fit_runs_on_a_new_group():
+    error, took = _failing_fit(group_for(CPU2, 60, FITTING), die_on_rank1, WorkerError)
+    assert "rank 1" in str(error) and "killed by SIGKILL" in str(error) and took < 15
+    assert _no_workers_left() and CPU2 not in _groups
+    assert fit(group_for(CPU2, 60, FITTING), summed)[1] == 2
 
 
-def _opt_state(learn):
-    return [t.clone() for state in learn.opt.opt.state.values() for t in state.values() if hasattr(t, "clone")]
+@pytest.mark.slow  # starts a worker group
+def test_a_hung_collective_fails_after_the_timeout():
+    error, took = _failing_fit(group_for(CPU2, 5, FITTING), stall_rank1, RuntimeError)
+    assert "raised on rank 0" in error.__notes__[0] and 5 <= took < 20, (error, took)
+    assert _no_workers_left()  # rank 1 never ended its fit
 
 
-def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(tmp_path, capsys):
-    """As a local fit that fails: the weights, optimizer state and recorder of the last completed step (epoch 0 and 6
-    steps of epoch 1); the same workers run the next fit, which goes on from there as one process goes on."""
-    learn = digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2)
-    other = digits_learner(digits_data(tmp_path / "other", bs=16)).to_ddp(nprocs=2)  # shares the group
-    workers = [p.pid for p in _groups[CPU2].procs]
-    failed, refit = _failed_then_refit(learn, capsys)
-    other.fit(1, 1e-2)
-    local_failed, local_refit = _failed_then_refit(digits_learner(digits_data(tmp_path / "one", bs=32)), capsys)
-    assert len(failed["val_losses"]) == 1 and len(failed["losses"]) == 44 + 6
-    assert close({k: failed[k] for k in ("losses", "val_losses", "metrics")},
-                 {k: local_failed[k] for k in ("losses", "val_losses", "metrics")}, tol=1e-4)
-    assert max_diff(failed["params"], local_failed["params"]) <= TOL
-    assert len(failed["opt"]) == len(local_failed["opt"]) > 0 and max_diff(failed["opt"], local_failed["opt"]) <= TOL
-    assert ("ddipp: the fit failed on rank 1; the learner keeps what rank 0 trained up to its last completed step "
-            "(step 50 of the fit, in epoch 1)") in failed["err"]
-    assert [p.pid for p in _groups[CPU2].procs] == workers and len(other.recorder.val_losses) == 1
-    assert max_diff(refit["params"], local_refit["params"]) <= TOL and len(refit["val_losses"]) == 1
-    print(f"next fit after a failure: {refit['took']:.1f} s")
-
-
-class FailOnRank1InSweep(LearnerCallback):
-    def on_batch_end(self, iteration, train, **kwargs):
-        if iteration == 5 and ddipp.rank() == 1:
-            raise ValueError("rank 1 fails on purpose")
-
-
-@pytest.mark.parametrize("story", ["save_model_on_improvement", "distributed_lr_find"])
-def test_an_exception_surfaces_as_itself_long_before_the_timeout_whatever_the_callbacks(tmp_path, story):
-    """fastai's on_train_end runs after the exception: SaveModelCallback and LRFinder then load a file behind a
-    barrier, which waited for the timeout while the other rank sat in the step's all-reduce."""
-    learn = digits_learner(digits_data(tmp_path, bs=16))
-    if story == "save_model_on_improvement":
-        learn.to_ddp(nprocs=2, timeout=60)
-        learn.callback_fns.append(partial(SaveModelCallback, every="improvement", name="best"))
-        learn.fit(1, 1e-2)  # writes models/best.pth, which the failed fit's on_train_end then loads
-        error, took, kept = _failing_fit(learn, FailOnRank1, ValueError)
-    else:
-        learn.to_ddp(nprocs=2, timeout=60, lr_find_mode="distributed")
-        before = params(learn)
-        learn.callback_fns.append(FailOnRank1InSweep)
-        started = time.monotonic()
-        with pytest.raises(ValueError) as raised:
-            learn.lr_find(num_it=40)
-        error, took, kept = raised.value, time.monotonic() - started, max_diff(params(learn), before) == 0
-    assert str(error) == "rank 1 fails on purpose" and "raised on rank 1" in error.__notes__[-1]
-    assert took < 10 and kept, took  # rank 0's on_train_end loaded the weights of before (best.pth, the sweep's)
-    assert len(_groups[CPU2].procs) == 2  # the workers stay
-
-
-def test_nothing_of_a_group_listens_beyond_loopback(tmp_path):
-    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
-    learn.fit(1, 1e-2)
+@pytest.mark.slow  # starts a worker group
+def test_nothing_of_a_group_listens_beyond_loopback():
+    group = group_for(CPU2, 60, FITTING)
+    fit(group, summed)
     me = psutil.Process()
     listening = {p.pid: _listening(p) for p in [me, *me.children(recursive=True)]}
-    assert [port for _, port in listening[me.pid]] == [_groups[CPU2].store.port]  # the store, for the group's life
+    assert [port for _, port in listening[me.pid]] == [group.store.port]  # the store, for the group's life
     assert all(len(addresses) >= 1 for pid, addresses in listening.items() if pid != me.pid)  # gloo's listeners
     for pid, addresses in listening.items():
         assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in addresses), (pid, addresses)
@@ -178,8 +129,8 @@ def test_nothing_of_a_group_listens_beyond_loopback(tmp_path):
 
 
 def test_the_rendezvous_store_listens_on_loopback_only():
-    before = _listening(psutil.Process())  # the stores of the groups of earlier tests
-    store = _loopback_store()
+    before = _listening(psutil.Process())
+    store = loopback_store(loopback_listener(), timedelta(seconds=10))
     [(ip, port)] = [address for address in _listening(psutil.Process()) if address not in before]
     assert ipaddress.ip_address(ip).is_loopback and port == store.port
     _refused_from_outside([port])
@@ -203,96 +154,27 @@ def _refused_from_outside(ports: list) -> None:
             socket.create_connection((outside[0], port), timeout=5).close()
 
 
-def test_a_batch_larger_than_a_ranks_share_is_refused_naming_the_sizes(tmp_path):
-    learn = digits_learner(digits_data(tmp_path, bs=32, n_valid=1757)).to_ddp(nprocs=2)  # 40 training items
-    with pytest.raises(ValueError) as raised:
-        learn.fit(1, 1e-2)
-    assert str(raised.value) == ("the per-process batch size 32 is larger than a rank's share of the training set "
-                                 "(40 items / 2 ranks = 20) and drop_last leaves no batch: use bs <= 20 (each rank "
-                                 "takes bs items a step; the global batch is bs x 2)")
+@pytest.mark.slow  # starts a worker group
+def test_a_group_no_learner_uses_stops_when_another_needs_its_devices():
+    dropped = group_for(CPU2, 60, FITTING)  # no learner is bound to it
+    single = group_for(("cpu",), 60, FITTING)
+    assert not dropped.procs and CPU2 not in _groups and len(single.procs) == 1
 
 
-def test_a_group_no_learner_uses_stops_when_another_needs_its_devices(tmp_path):
-    gc.collect()
-    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
-    dropped = _groups[CPU2]
-    del learn  # without from_ddp
-    single = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=1)
-    assert not dropped.procs and CPU2 not in _groups and len(_groups[("cpu",)].procs) == 1
-    single.from_ddp()
-
-
-def test_a_rank_that_dies_raises_a_worker_error_naming_it_and_rank0s_training_stays(tmp_path, capsys):
-    learn = digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2)
-    error, took, kept = _failing_fit(learn, DieOnRank1, WorkerError)
-    assert "rank 1" in str(error) and "killed by SIGKILL" in str(error) and took < 15
-    assert _no_workers_left()
-    local = digits_learner(digits_data(tmp_path / "one", bs=32))
-    with pytest.raises(ValueError):
-        local.fit(2, 1e-2, callbacks=[_RaiseAfterStep(local, 3)])
-    assert max_diff(params(learn), params(local)) <= TOL and len(learn.recorder.losses) == 4
-    assert "the fit failed on rank 1; the learner keeps what rank 0 trained" in capsys.readouterr().err
-    learn.fit(1, 1e-2)  # on a new group
-    assert len(learn.recorder.val_losses) == 1
-
-
-class _RaiseAfterStep(LearnerCallback):
-    def __init__(self, learn, iteration):
-        super().__init__(learn)
-        self.iteration = iteration
-
-    def on_batch_end(self, iteration, train, **kwargs):
-        if train and iteration == self.iteration:
-            raise ValueError("failing on purpose")
-
-
-def test_a_hung_collective_fails_after_the_timeout(tmp_path):
-    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2, timeout=5)
-    error, took, kept = _failing_fit(learn, StallRank1, RuntimeError)
-    assert "raised on rank 0" in error.__notes__[0] and 5 <= took < 20 and not kept  # rank 0's 4 steps came back
-    assert len(learn.recorder.losses) == 4 and _no_workers_left()  # rank 1 never ended its fit
-
-
-def test_from_ddp_stops_the_group_once_no_learner_uses_it_and_shutdown_stops_all(tmp_path):
-    gc.collect()  # learners of earlier tests
-    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
-    other = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
-    group = _groups[CPU2]
-    assert len(group.procs) == 2
-    learn.from_ddp()
-    assert group.alive and "fit" not in vars(learn) and "ddp" not in vars(learn)
-    learn.fit(1, 1e-2)  # locally again
-    other.from_ddp()
-    assert not group.procs and CPU2 not in _groups and _no_workers_left()
-    other.to_ddp(nprocs=2)
-    logs = _groups[CPU2].logs
+@pytest.mark.slow  # starts a worker group
+def test_shutdown_stops_every_group_and_removes_their_logs():
+    logs = group_for(CPU2, 60, FITTING).logs
     assert logs.parent == Path(tempfile.gettempdir()) and logs.is_dir()
-    ddipp.shutdown()
+    shutdown()
     assert not _groups and _no_workers_left() and not logs.exists()
 
 
-def _reader(proc):
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    return lines
-
-
-def _wait_for(lines, word, timeout=120):
-    """The rest of the first line from the process's stdout that contains `word`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        if word in line:
-            return line.split(word, 1)[1].split()
-
-
-def test_a_notebook_killed_while_its_workers_start_leaves_none(tmp_path):
+@pytest.mark.slow  # starts a worker group
+def test_a_notebook_killed_while_its_workers_start_leaves_none():
     """Killed between starting its workers and their joining, the notebook leaves them waiting for its store, the
     wait holding the GIL: its Python watcher never ran, and they stayed for the collective timeout (600 s)."""
-    notebook = ("import sys; import ddipp; from scenario import digits_data, digits_learner; "
-                "digits_learner(digits_data(sys.argv[1], bs=16)).to_ddp(nprocs=2)")
-    proc = subprocess.Popen([sys.executable, "-c", notebook, str(tmp_path)], stdout=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONPATH=WORKERS))
+    notebook = f"from ddipp.core.group.group import group_for; group_for({CPU2!r}, 600, {FITTING!r})"
+    proc = subprocess.Popen([sys.executable, "-c", notebook], stdout=subprocess.DEVNULL)
     workers = []
     try:
         while len(workers) < 2 and proc.poll() is None:
@@ -308,35 +190,3 @@ def test_a_notebook_killed_while_its_workers_start_leaves_none(tmp_path):
         for worker in workers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 worker.kill()
-
-
-def test_an_interrupt_keeps_what_was_trained_a_stuck_group_is_killed_and_a_killed_notebook_leaves_none(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=WORKERS)
-    proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "notebook_parent.py"), str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = _reader(proc)
-        first = [int(pid) for pid in _wait_for(lines, "WORKERS")]
-        _wait_for(lines, "TRAINING")
-        proc.send_signal(signal.SIGINT)
-        interrupted = time.monotonic()
-        trained, epochs, steps = _wait_for(lines, "INTERRUPTED", timeout=30)
-        assert time.monotonic() - interrupted < 5 and trained == "True" and int(steps) >= 2  # as plain fastai
-        epochs, *second = _wait_for(lines, "REFIT")
-        assert epochs == "1" and list(map(int, second)) == first  # the same workers: no new start
-        _wait_for(lines, "TRAINING")
-        proc.send_signal(signal.SIGINT)  # rank 1 is stuck outside torch: the ranks cannot stop together
-        interrupted = time.monotonic()
-        assert _wait_for(lines, "STUCK", timeout=30) == ["True"]  # weights from before the fit
-        assert time.monotonic() - interrupted < 8 and all(_gone(pid) for pid in first)
-        _wait_for(lines, "TRAINING")
-        third = [p.pid for p in psutil.Process(proc.pid).children()]
-        assert len(third) == 2 and not set(third) & set(first)
-        proc.kill()
-        killed = time.monotonic()
-        while not all(_gone(pid) for pid in third) and time.monotonic() - killed < 15:
-            time.sleep(0.2)  # polling the process table, not synchronising with it
-        assert all(_gone(pid) for pid in third)
-    finally:
-        proc.kill()
-        proc.wait()

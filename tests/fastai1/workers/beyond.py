@@ -1,5 +1,5 @@
-"""Global-batch losses, metric states, SyncBatchNorm, checkpoints, throughput: what the tests run in one process
-(the reference) and beyond_worker.py runs on 2 ranks."""
+"""Global-batch losses, metric states, SyncBatchNorm, checkpoints, throughput in fastai v1: what the tests run in one
+process (the reference) and beyond_worker.py runs on 2 ranks (the plain-torch parts: tests/core/workers/core_story.py)."""
 import torch
 import torch.nn.functional as F
 from fastai.basic_data import DataBunch
@@ -10,57 +10,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddipp
+from core_story import mean_cov, moment_sums, pairwise_loss, sq_distances
 from scenario import digits_data, digits_learner, history, params
 
 
 # 1. Global-batch losses
-
-def embedding_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def pair_batch(n=24):
-    """A global batch: inputs, a second view of them, and 2-d targets whose pairwise distances are to be learnt."""
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
-    return x, x + 0.1 * torch.randn(n, 8, generator=g), y
-
-
-def sq_distances(a: torch.Tensor) -> torch.Tensor:
-    return (a[:, None] - a[None]).pow(2).sum(-1)
-
-
-def pairwise_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Squared error between the predicted and the target squared distances, over all pairs of the batch."""
-    return (sq_distances(out) - sq_distances(target)).pow(2).mean()
-
-
-def info_nce(z1: torch.Tensor, z2: torch.Tensor, tau: float = 0.5) -> torch.Tensor:
-    """Contrastive loss: row i of z1 must pick row i of z2 among all rows of the batch."""
-    logits = F.normalize(z1, dim=1) @ F.normalize(z2, dim=1).T / tau
-    return F.cross_entropy(logits, torch.arange(len(z1)))
-
-
-def grads(model: nn.Module):
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def losses_and_grads(model: nn.Module, x, views, y, gather=lambda t: t):
-    """{loss name: (value, gradients)} of the pairwise and the InfoNCE loss on `gather`ed outputs."""
-    res = {}
-    out = model(x)
-    loss = pairwise_loss(gather(out), gather(y))
-    loss.backward()
-    res["pairwise"] = loss.item(), grads(model)
-    model.zero_grad()
-    z = model(torch.cat([x, views]))  # one forward for both views
-    loss = info_nce(gather(z[:len(x)]), gather(z[len(x):]))
-    loss.backward()
-    res["info_nce"] = loss.item(), grads(model)
-    model.zero_grad()
-    return res
-
 
 def pairs_data(path, bs, n_train=256, n_valid=64) -> DataBunch:
     """Points in 8-d whose targets are 2-d coordinates, a fixed nonlinear map of them; sequential batches."""
@@ -91,20 +45,6 @@ def collapsed_loss(data) -> float:
 
 
 # 2. Metric states
-
-def features(n=101):
-    """n feature vectors, float64: the set whose mean and covariance the ranks compute in parts."""
-    return torch.randn(n, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-
-
-def moment_sums(x: torch.Tensor):
-    return dict(n=torch.tensor(float(len(x)), dtype=x.dtype), sum=x.sum(0), outer=x.T @ x)
-
-
-def mean_cov(totals):
-    mean = totals["sum"] / totals["n"]
-    return mean, (totals["outer"] - totals["n"] * torch.outer(mean, mean)) / (totals["n"] - 1)
-
 
 class OutputMoments(ddipp.SumMetric):
     """Mean and covariance of the model's outputs over the validation set (as for a Fréchet distance)."""
