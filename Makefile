@@ -24,7 +24,7 @@ test: $(VENV)/.installed
 	mkdir -p tmp; $(MAKE) -s $(VENV2)/.installed >tmp/venv2-install.log 2>&1 & v2=$$!; \
 		$(PY) tools/fastai_suite.py; s1=$$?; wait $$v2; i2=$$?; cat tmp/venv2-install.log; [ $$i2 -eq 0 ] || exit $$i2; \
 		$(PY) -m pytest tests --ignore=tests/fastai2; s2=$$?; \
-		$(PY2) -m pytest tests/fastai2; s3=$$?; [ $$s1 -eq 0 ] && [ $$s2 -eq 0 ] && exit $$s3
+		$(PY2) -m pytest tests/fastai2 tests/core; s3=$$?; [ $$s1 -eq 0 ] && [ $$s2 -eq 0 ] && exit $$s3
 
 $(VENV)/.installed: pyproject.toml constraints/fastai1.txt
 	$(PYTHON) -m venv $(VENV)
