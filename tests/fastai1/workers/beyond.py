@@ -1,5 +1,5 @@
 """Global-batch losses, metric states, SyncBatchNorm, checkpoints, throughput in fastai v1: what the tests run in one
-process (the reference) and beyond_worker.py runs on 2 ranks (the plain-torch parts: tests/core/workers/core_story.py)."""
+process (the reference) and beyond_worker.py runs on 2 ranks (plain-torch parts: tests/core/workers/core_story.py)."""
 import torch
 import torch.nn.functional as F
 from fastai.basic_data import DataBunch
