@@ -35,10 +35,11 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
         if gpus is None and nprocs is None:
             return self
         from ..core.group.binding import bind
+        from .notebook import fitting
         from .notebook.binding import fit_on_group
         devices = notebook_devices(gpus, nprocs)
         options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
-        bind(self, devices, timeout, options, fit_on_group)
+        bind(self, devices, timeout, options, fit_on_group, fitting=fitting.__name__)
         self.save, self.export = AtomicSave(self), AtomicExport(self)  # the exported learner is not bound
         self.ddp.say_global_batch(self.dls.train.bs)
         return self

@@ -9,11 +9,12 @@ from .group import WorkerGroup, _groups, group_for
 
 @dataclass
 class Binding:
-    """Where a bound learner's fits run, the options of ddipp's callbacks there, and the per-process batch size whose
-    global batch it said last."""
+    """Where a bound learner's fits run and with which adapter's fitting module, the options of ddipp's callbacks
+    there, and the per-process batch size whose global batch it said last."""
     devices: Tuple[str, ...]
     timeout: float
     options: dict
+    fitting: str
     said_bs: Optional[int] = None
 
     def say_global_batch(self, bs: Optional[int]) -> None:
@@ -23,12 +24,14 @@ class Binding:
             self.said_bs = bs
 
 
-def bind(learn: Any, devices: Tuple[str, ...], timeout: float, options: dict, fit_on_group: Callable) -> None:
-    """Run `learn`'s fits on the group on `devices` (started now if not running) with `fit_on_group(learn, ...)`."""
+def bind(learn: Any, devices: Tuple[str, ...], timeout: float, options: dict, fit_on_group: Callable,
+         fitting: str) -> None:
+    """Run `learn`'s fits on the group on `devices` (started now if not running) with `fit_on_group(learn, ...)`; its
+    workers run them with the adapter's module named `fitting` (`adapter.Fitting`)."""
     if "ddp" in vars(learn):
         unbind(learn)
-    group_for(devices, timeout).learners[id(learn)] = learn
-    learn.ddp = Binding(devices, timeout, options)
+    group_for(devices, timeout, fitting).learners[id(learn)] = learn
+    learn.ddp = Binding(devices, timeout, options, fitting)
     learn.fit = FitOnGroup(learn, fit_on_group)  # what fit_one_cycle, lr_find, fine_tune ... call
 
 
@@ -50,7 +53,7 @@ def unbind(learn: Any) -> bool:
 def group_of(learn: Any) -> WorkerGroup:
     """The running group of a bound learner (a new one if the last fit's failure stopped it)."""
     binding = learn.ddp
-    group = group_for(binding.devices, binding.timeout)
+    group = group_for(binding.devices, binding.timeout, binding.fitting)
     group.learners[id(learn)] = learn
     return group
 

@@ -21,21 +21,22 @@ import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import cloudpickle
-import torch.distributed as dist
 
 from .. import dist as ddist
 from ..files import owned_dir_prefix, sweep_stale_dirs
 from ..notes import add_note
+from ..store import LOOPBACK, loopback_listener, loopback_store
+from .messages import DONE, ERROR, FIT, KEEP_DATA, LEAVE, READY, SET_CONTEXT, STOP
 from .wire import digest, dumps, receive, send
 
 START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
 LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
 STOP_DEADLINE = 4  # seconds an interrupted fit's ranks have to stop and send back what they trained
 PEER_GRACE = 5  # seconds the other ranks have to end their fit (and rank 0 to send what it trained) once one failed
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder that holds ddipp
 
 
 class WorkerError(RuntimeError):
@@ -50,32 +51,35 @@ class RemoteTraceback(Exception):
 
 
 class WorkerGroup:
-    """One worker process per device ("cpu" for each CPU process), ranks in the order of `devices`."""
+    """One worker process per device ("cpu" for each CPU process), ranks in the order of `devices`, fitting with the
+    adapter's module `fitting` (`adapter.Fitting`)."""
 
-    def __init__(self, devices: Tuple[str, ...], timeout: float):
-        self.devices, self.timeout = devices, timeout
+    def __init__(self, devices: Tuple[str, ...], timeout: float, fitting: str):
+        self.devices, self.timeout, self.fitting = devices, timeout, fitting
         self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
         self.data_digest = None
         self.held = frozenset()  # digests of the tensors every worker kept from the last fit (the call names them)
         self.last_sent = {}  # bytes the last fit sent: "data", "call" (to all ranks) and "results" (back)
         sweep_stale_dirs(Path(tempfile.gettempdir()), LOGS_KIND)  # left by notebooks that were killed
         self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
-        self.store = _loopback_store()
+        self.store = loopback_store(loopback_listener(), timedelta(seconds=START_TIMEOUT))
         self.procs: List[subprocess.Popen] = []
         self.conns: List[Connection] = []
         self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
         self.unanswered = set()  # the ranks that neither answered nor failed when the last command ended
         self.trained = None  # what rank 0 trained in a fit that failed, as of its last completed step (results)
         self.failed_rank = None  # the rank whose error the last failed command raised
+        self.errors = {}  # rank -> (blame, error) of the ranks that failed, while `_collect` serves a command
         self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
         started = time.monotonic()
-        threads, share = os.environ.get("OMP_NUM_THREADS"), ddist.cores_per_rank(len(devices))
-        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} (OMP_NUM_THREADS={threads or share} "
-              f"each; num_workers={share} for a loader left at fastai's default) ...", end="", flush=True)
+        envs = [worker_env(rank, devices, timeout, self.store.port, fitting) for rank in range(len(devices))]
+        if len(devices) > 1:
+            print(f"ddipp: {ddist.cores_shared(len(devices), envs[0]['OMP_NUM_THREADS'])}", flush=True)
+        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} ...", end="", flush=True)
         try:
-            for rank in range(len(devices)):
-                self._spawn(rank)
-            self._collect("ready", deadline=started + START_TIMEOUT, late=self._not_started)
+            for rank, env in enumerate(envs):
+                self._spawn(rank, env)
+            self._collect(READY, deadline=started + START_TIMEOUT, late=self._not_started)
         except BaseException:
             print(" failed", flush=True)
             self.kill()
@@ -86,19 +90,10 @@ class WorkerGroup:
     def alive(self) -> bool:
         return bool(self.procs) and all(p.poll() is None for p in self.procs)
 
-    def _spawn(self, rank: int) -> None:
+    def _spawn(self, rank: int, env: Dict[str, str]) -> None:
+        """Start rank `rank` with the environment `env` and its socket to this process."""
         ours, theirs = socket.socketpair()
-        cpu = self.devices[0] == "cpu"
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(self.devices)),
-                   LOCAL_WORLD_SIZE=str(len(self.devices)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
-                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
-                   PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
-                   **{ddist.DEVICES_ENV: "cpu" if cpu else ",".join(d.split(":")[1] for d in self.devices),
-                      ddist.TIMEOUT_ENV: str(self.timeout), ddist.CONNECTION_FD_ENV: str(theirs.fileno()),
-                      ddist.PARENT_PID_ENV: str(os.getpid())},
-                   **ddist.loopback_env())
-        if "OMP_NUM_THREADS" not in os.environ:  # the notebook's own setting wins
-            env["OMP_NUM_THREADS"] = str(ddist.cores_per_rank(len(self.devices)))
+        env = dict(env, **{ddist.CONNECTION_FD_ENV: str(theirs.fileno())})
         with open(self.logs / f"rank{rank}.log", "wb") as log:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", "from ddipp.core.group.worker import main; main()"],
@@ -114,13 +109,13 @@ class WorkerGroup:
         interrupted, self.trained, self.unanswered = False, None, set(range(len(self.conns)))
         try:
             for conn in self.conns:
-                send(conn, ("set_context", os.getcwd(), sys.path))
+                send(conn, (SET_CONTEXT, os.getcwd(), sys.path))
             data_bytes = self._keep_data(data)
             for conn in self.conns:
-                send(conn, ("fit", self.data_digest, call, options))
+                send(conn, (FIT, self.data_digest, call, options))
             self.replies = {}
             try:
-                self._collect("done", on_event=mirror)
+                self._collect(DONE, on_event=mirror)
             except KeyboardInterrupt:
                 interrupted = True
                 self._stop_fit(mirror)
@@ -141,7 +136,7 @@ class WorkerGroup:
         """After a failed fit: every rank leaves its process group (those the failure did not reach too), so all
         of them meet again at the next fit; what they held is the failed fit's, so the next one sends it all."""
         for conn in self.conns:
-            send(conn, ("leave",))
+            send(conn, (LEAVE,))
         self.held = frozenset()
 
     def _stop_fit(self, mirror: Any) -> None:
@@ -150,7 +145,7 @@ class WorkerGroup:
         if self.receiving:  # interrupted within a message: the stream cannot be trusted any more
             raise KeyboardInterrupt
         os.kill(self.procs[0].pid, signal.SIGUSR1)  # rank 0 passes it on to the others with the step's loss
-        self._collect("done", on_event=mirror, deadline=time.monotonic() + STOP_DEADLINE, late=KeyboardInterrupt)
+        self._collect(DONE, on_event=mirror, deadline=time.monotonic() + STOP_DEADLINE, late=KeyboardInterrupt)
 
     def _keep_data(self, data: Any) -> int:
         """Send `data` to every worker unless they already keep an equal one; the bytes sent."""
@@ -162,19 +157,33 @@ class WorkerGroup:
         self.data_digest = None
         sizes = [buf.raw().nbytes for buf in buffers]
         for conn in self.conns:
-            send(conn, ("keep_data", data_digest, blob, sizes))
+            send(conn, (KEEP_DATA, data_digest, blob, sizes))
             for buf in buffers:
                 conn.send_bytes(buf.raw())
         self.data_digest = data_digest
         return (len(blob) + sum(sizes)) * len(self.conns)
 
-    def _collect(self, expected: str, on_event=None, deadline: Optional[float] = None,
+    def _collect(self, expected: str, on_event: Callable = None, deadline: Optional[float] = None,
                  late: Callable[[], BaseException] = None) -> None:
         """Serve the workers' messages until every rank sent `expected` (its reply lands in `self.replies`), or
-        failed; raise `late()` past the deadline. Once a rank failed, the others have PEER_GRACE seconds to end too
-        (`self.unanswered`: those that did not); then the error to read is raised."""
+        failed; raise `late()` past the deadline. Each message goes to the `_on_<name>` method of its name, a progress
+        event to `on_event`. Once a rank failed, the others have PEER_GRACE seconds to end too (`self.unanswered`:
+        those that did not); then the error to read is raised."""
         pending = {conn: rank for rank, conn in enumerate(self.conns) if rank not in self.replies}
-        errors, grace_ends = {}, None
+        try:
+            self._serve(pending, expected, on_event, deadline, late)
+        finally:
+            errors, self.errors = self.errors, {}  # held no longer: a traceback holds the fit's learner
+        self.unanswered = set(pending.values())
+        if errors:  # a rank's own error first, then a death, then a failure caused by a peer's; of the lowest rank
+            _, self.failed_rank, error = min((blame, rank, error) for rank, (blame, error) in errors.items())
+            raise error
+
+    def _serve(self, pending: Dict[Connection, int], expected: str, on_event: Callable, deadline: Optional[float],
+               late: Callable[[], BaseException]) -> None:
+        """`_collect`'s loop: serve the messages of the `pending` ranks (rank by connection), taking off those that
+        answered or failed, until none is left or the other ranks' grace after a failure ended."""
+        grace_ends = None
         while pending:
             for conn in wait(list(pending), timeout=1.0):
                 rank = pending[conn]
@@ -182,37 +191,49 @@ class WorkerGroup:
                 try:
                     kind, *args = receive(conn)
                 except (EOFError, OSError):
-                    kind, args = "died", ()
+                    kind, args = None, ()
                 finally:
                     self.receiving = False
-                if kind == expected:
-                    self.replies[rank] = args[0]
-                elif kind == "error":
-                    error = _remote_error(rank, *args)
-                    errors[rank] = (2 if ddist.peer_failure(error) else 0, error)
-                elif kind == "died":
-                    errors[rank] = (1, self._death(rank))
-                elif kind == "trained":
-                    self.trained = args[0]
-                elif kind == "out":
-                    (sys.stderr if args[0] == "stderr" else sys.stdout).write(args[1])
+                if kind is None:
+                    self._on_died(rank)
+                elif hasattr(self, f"_on_{kind}"):
+                    getattr(self, f"_on_{kind}")(rank, *args)
                 else:
                     on_event(kind, *args)
-                if kind in (expected, "error", "died"):
+                if kind in (expected, ERROR, None):
                     del pending[conn]
             for conn, rank in list(pending.items()):
                 if self.procs[rank].poll() is not None and not conn.poll():  # dead, nothing left to read
-                    errors[rank] = (1, self._death(rank))
+                    self._on_died(rank)
                     del pending[conn]
-            grace_ends = grace_ends or (time.monotonic() + PEER_GRACE if errors else None)
+            grace_ends = grace_ends or (time.monotonic() + PEER_GRACE if self.errors else None)
             if grace_ends is not None and time.monotonic() > grace_ends:
                 break
-            if deadline is not None and time.monotonic() > deadline and not errors:
+            if deadline is not None and time.monotonic() > deadline and not self.errors:
                 raise late()
-        self.unanswered = set(pending.values())
-        if errors:  # a rank's own error first, then a death, then a failure caused by a peer's; of the lowest rank
-            _, self.failed_rank, error = min((blame, rank, error) for rank, (blame, error) in errors.items())
-            raise error
+
+    def _on_ready(self, rank: int, pid: int) -> None:
+        self.replies[rank] = pid
+
+    def _on_done(self, rank: int, answer: tuple) -> None:
+        """A fit's end: rank 0's results (None from the others) and the digests of the tensors the rank keeps."""
+        self.replies[rank] = answer
+
+    def _on_trained(self, rank: int, results: list) -> None:
+        """What rank 0 trained up to its last completed step, ahead of the error of its failed fit."""
+        self.trained = results
+
+    def _on_out(self, rank: int, stream: str, text: str) -> None:
+        (sys.stderr if stream == "stderr" else sys.stdout).write(text)
+
+    def _on_error(self, rank: int, pickled: Optional[bytes], remote_traceback: str) -> None:
+        """Rank `rank` raised; a failure caused by a peer's is blamed after the others (`_collect` raises one)."""
+        error = _remote_error(rank, pickled, remote_traceback)
+        self.errors[rank] = (2 if ddist.peer_failure(error) else 0, error)
+
+    def _on_died(self, rank: int) -> None:
+        """Rank `rank`'s connection ended: it died (or hung up) without an error."""
+        self.errors[rank] = (1, self._death(rank))
 
     def say_kept(self, epoch: int, steps: int) -> None:
         """Say, after a failed fit, that the learner keeps what rank 0 trained: `steps` steps, the last in `epoch`."""
@@ -242,7 +263,7 @@ class WorkerGroup:
         """Ask the workers to leave, then make sure they are gone."""
         for conn in self.conns:
             try:
-                send(conn, ("stop",))
+                send(conn, (STOP,))
             except OSError:
                 pass
         deadline = time.monotonic() + 5
@@ -271,18 +292,20 @@ class WorkerGroup:
         shutil.rmtree(self.logs, ignore_errors=True)
 
 
-def _loopback_store() -> dist.TCPStore:
-    """The rendezvous store of a new group, listening on 127.0.0.1 only at a port the OS picks.
-
-    torch's TCPStore listens on every interface whatever host it is given, so it gets a socket bound here. Its
-    libuv backend (torch 2.4's default) cannot take that socket, so the store uses the one before it."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        fd = listener.detach()  # the store owns it from here, and closes it when released
-    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                         use_libuv=False, timeout=timedelta(seconds=START_TIMEOUT))
+def worker_env(rank: int, devices: Tuple[str, ...], timeout: float, store_port: int, fitting: str,
+               environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
+    """The environment rank `rank` of a notebook's group on `devices` starts in, all but its socket to the notebook:
+    `environ`, with what torch's elastic agent sets for a rank launched on one host (its store on loopback at
+    `store_port`), ddipp's `rank_env`, this package first on the path, the notebook's pid and the adapter's `fitting`
+    module."""
+    cpu = devices[0] == "cpu"
+    device_list = "cpu" if cpu else ",".join(d.split(":")[1] for d in devices)
+    world = str(len(devices))
+    return dict(environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store_port), TORCHELASTIC_USE_AGENT_STORE="True",
+                PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, environ.get("PYTHONPATH")])),
+                **{ddist.ATTEMPT_ENV: "0", ddist.PARENT_PID_ENV: str(os.getpid()), ddist.FITTING_ENV: fitting},
+                **ddist.rank_env(device_list, timeout, len(devices), True, environ))
 
 
 def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) -> BaseException:
@@ -301,11 +324,11 @@ def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) ->
 _groups: Dict[Tuple[str, ...], WorkerGroup] = {}
 
 
-def group_for(devices: Tuple[str, ...], timeout: float) -> WorkerGroup:
-    """The running group on `devices`, started (or restarted with the new timeout) when needed; a group that no
-    learner uses any more is stopped first if it holds one of these devices."""
+def group_for(devices: Tuple[str, ...], timeout: float, fitting: str) -> WorkerGroup:
+    """The running group on `devices`, started (or restarted with the new timeout or fitting module) when needed; a
+    group that no learner uses any more is stopped first if it holds one of these devices."""
     group = _groups.get(devices)
-    if group is not None and (not group.alive or group.timeout != timeout):
+    if group is not None and (not group.alive or (group.timeout, group.fitting) != (timeout, fitting)):
         group.stop()
         group = None
     if group is None:
@@ -314,7 +337,7 @@ def group_for(devices: Tuple[str, ...], timeout: float) -> WorkerGroup:
             gc.collect()  # a dropped learner may wait in a reference cycle
         for idle in [g for g in overlapping if not g.learners]:
             idle.stop()  # no learner uses it any more (dropped without from_ddp): free its devices
-        group = _groups[devices] = WorkerGroup(devices, timeout)
+        group = _groups[devices] = WorkerGroup(devices, timeout, fitting)
     return group
 
 

@@ -4,9 +4,11 @@ import sys
 from contextlib import contextmanager
 from typing import Callable, Optional
 
+from .messages import OUT
+
 
 class RelayedStream(io.TextIOBase):
-    """A text stream that sends whole lines to `send` as ("out", name, text), with a terminal's carriage return:
+    """A text stream that sends whole lines to `send` as (OUT, name, text), with a terminal's carriage return:
     of a line rewritten with '\\r' (console progress bars) only the last version is sent."""
 
     def __init__(self, name: str, send: Callable[[tuple], None]):
@@ -19,14 +21,14 @@ class RelayedStream(io.TextIOBase):
         self.pending += text
         if "\n" in self.pending:
             lines, self.pending = self.pending.rsplit("\n", 1)
-            self.send(("out", self.name, "".join(line.rsplit("\r", 1)[-1] + "\n" for line in lines.split("\n"))))
+            self.send((OUT, self.name, "".join(line.rsplit("\r", 1)[-1] + "\n" for line in lines.split("\n"))))
         return len(text)
 
     def close_line(self) -> None:
         """Send what is left of an unfinished line."""
         rest, self.pending = self.pending.rsplit("\r", 1)[-1], ""
         if rest:
-            self.send(("out", self.name, rest))
+            self.send((OUT, self.name, rest))
 
 
 @contextmanager

@@ -1,12 +1,10 @@
 """A worker of the notebook's group: one rank, started by `WorkerGroup`, running the fits the notebook sends.
 
 It joins the process group once (paying the torch/fastai import once), then serves commands on the socket
-it inherited: "set_context" (the notebook's directory and sys.path), "keep_data" (a data bunch to keep),
-"fit" (a learner and a fit call: run it under DDP, send back rank 0's results and the digests of the tensors this rank
-keeps for the next fit; a fit that fails sends rank 0's results as of its last completed step, then the error, and
-leaves the process group), "leave" (after another rank's failed fit), "stop". Rank 0 relays its progress bars and
-prints while it fits; SIGUSR1 asks its fit to stop (every rank stops after the same step).
-It exits when the notebook's process dies.
+it inherited, each a method here (`messages` names them). A fit runs in the adapter's fitting module, named in
+FITTING_ENV (`adapter.Fitting`); rank 0 relays its progress bars and prints while it fits; a fit that fails sends rank
+0's results as of its last completed step, then the error, and leaves the process group. SIGUSR1 asks a fit to stop
+(every rank stops after the same step). It exits when the notebook's process dies.
 """
 import ipaddress
 import os
@@ -18,8 +16,11 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from ..dist import CONNECTION_FD_ENV, PARENT_PID_ENV
-from .wire import receive, send
+from .. import dist
+from ..dist import CONNECTION_FD_ENV, FITTING_ENV, PARENT_PID_ENV
+from .adapter import load_fitting
+from .messages import DONE, ERROR, READY, STOP
+from .wire import HeldTensors, loads, receive, send
 
 
 def _exit_with_parent() -> None:
@@ -51,14 +52,12 @@ class Worker:
     def __init__(self, conn: Connection):
         import torch
 
-        import ddipp
-        from ddipp.core import dist
         self.conn, self.lock = conn, threading.Lock()
+        self.fitting = load_fitting(os.environ[FITTING_ENV])  # imports fastai and its adapter, once
         dist.init()
         signal.signal(signal.SIGUSR1, lambda *_: dist.request_stop())  # the notebook's interrupt, sent to rank 0
-        self.rank, self.device = ddipp.rank(), ddipp.device()
+        self.rank, self.device = dist.rank(), dist.device()
         self.data_digest, self.data = None, None
-        from .wire import HeldTensors
         self.held = HeldTensors()  # the model's and optimizer's tensors after the last fit
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
@@ -67,18 +66,18 @@ class Worker:
             send(self.conn, message)
 
     def serve(self) -> None:
-        self.send(("ready", os.getpid()))
+        self.send((READY, os.getpid()))
         while True:
             try:
                 command, *args = receive(self.conn)
             except EOFError:
                 return
-            if command == "stop":
+            if command == STOP:
                 return
             try:
                 getattr(self, command)(*args)
             except BaseException as e:  # reported, never fatal: the notebook decides what happens to the group
-                self.send(("error", _pickled_exception(e), traceback.format_exc()))
+                self.send((ERROR, _pickled_exception(e), traceback.format_exc()))
 
     def set_context(self, cwd: str, path: list) -> None:
         """Work in the notebook's directory and import from its sys.path (its own modules, before ours)."""
@@ -86,32 +85,29 @@ class Worker:
         sys.path[:] = path + [p for p in sys.path if p not in path]
 
     def keep_data(self, digest: str, blob: bytes, sizes: list) -> None:
-        from .wire import loads
         self.data, self.data_digest = None, None  # free the previous data first
         buffers = [bytearray(size) for size in sizes]  # writable: the arrays built on them are the data
         for buf in buffers:
             self.conn.recv_bytes_into(buf)
-        self.data = _fitting().place_data(loads(blob, device=self.device, buffers=buffers), self.device)
+        self.data = self.fitting.place_data(loads(blob, device=self.device, buffers=buffers), self.device)
         self.data_digest = digest
 
     def fit(self, digest: str, call: bytes, options: dict) -> None:
         if digest != self.data_digest:
             raise RuntimeError(f"ddipp: rank {self.rank} holds data {self.data_digest}, not {digest}")
-        from ddipp.core import dist
         dist.request_stop(False)  # an interrupt meant for an earlier fit
         try:
-            result, kept = _fitting().run_fit(self.data, call, options, self.device,
-                                              self.send if self.rank == 0 else None, self.held)
+            result, kept = self.fitting.run_fit(self.data, call, options, self.device,
+                                                self.send if self.rank == 0 else None, self.held)
         except BaseException:
             self.leave()
             raise
-        self.send(("done", (result, kept)))
+        self.send((DONE, (result, kept)))
 
     def leave(self) -> None:
         """Leave the process group (the next fit forms a new one through the notebook's store) and hang up on the
         other ranks, so that a rank waiting for this one in a collective fails now instead of at the timeout. It hangs
         up first: torch 2.4's gloo, destroyed with a collective in flight (DDP's), waits for it with no end."""
-        from ddipp.core import dist
         _hang_up(int(os.environ["MASTER_PORT"]))
         dist.leave()
 
@@ -140,14 +136,6 @@ def _hang_up(store_port: int) -> None:
                 pass
 
 
-def _fitting():
-    """What a fit does on a rank: the notebook module of the adapter ddipp picked for the installed fastai."""
-    import importlib
-
-    import ddipp
-    return importlib.import_module(f"ddipp.fastai{ddipp.FASTAI_MAJOR}.notebook.fitting")
-
-
 def _pickled_exception(e: BaseException):
     import cloudpickle
     try:
@@ -163,9 +151,8 @@ def main() -> None:
     try:
         worker = Worker(conn)
     except BaseException as e:
-        send(conn, ("error", _pickled_exception(e), traceback.format_exc()))
+        send(conn, (ERROR, _pickled_exception(e), traceback.format_exc()))
         raise
     _signal_when_parent_ends(0)  # joined: the notebook thread that started this worker may end (a fit run in a thread)
     worker.serve()
-    from ddipp.core import dist
     dist.teardown()

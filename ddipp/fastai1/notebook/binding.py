@@ -10,13 +10,14 @@ from fastai.core import defaults, listify
 
 from ...core.group import binding
 from ...core.group.binding import OfBinding, group_of, unbind
+from . import fitting
 from .fitting import apply_results, fit_call
 from .progress import ProgressMirror
 
 
 def bind(learn: Learner, devices: Tuple[str, ...], timeout: float, options: dict) -> None:
     """Run `learn`'s fits on the group on `devices`, also after fastai's purge, and say the global batch."""
-    binding.bind(learn, devices, timeout, options, fit_on_group)
+    binding.bind(learn, devices, timeout, options, fit_on_group, fitting=fitting.__name__)
     learn.purge, learn.destroy = Purge(learn), Destroy(learn)
     learn.ddp.say_global_batch(_train_bs(learn.data))
 

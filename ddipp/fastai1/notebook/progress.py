@@ -10,6 +10,8 @@ from typing import Callable
 import fastai.basic_train
 from fastai.callback import Callback
 
+from ...core.group.messages import BEGIN, CHILD, CHILD_UPDATE, GRAPH, INTERRUPT, MAIN, WRITE
+
 
 class ProgressRelay(Callback):
     """Sends the events of this fit's master bar and its child bars to `send` instead of drawing them."""
@@ -25,21 +27,21 @@ class ProgressRelay(Callback):
 
         def relay_child(child):
             add_child(child)
-            send(("child", child.total))
-            child.on_update = lambda val, text: send(("child_update", val, child.comment))
+            send((CHILD, child.total))
+            child.on_update = lambda val, text: send((CHILD_UPDATE, val, child.comment))
 
-        main.on_update = lambda val, text: send(("main", val))
+        main.on_update = lambda val, text: send((MAIN, val))
         pbar.add_child = relay_child
-        pbar.write = lambda line, table=False: send(("write", line, table))
+        pbar.write = lambda line, table=False: send((WRITE, line, table))
         pbar.update_graph = lambda graphs, x_bounds=None, y_bounds=None, figsize=(6, 4): send(
-            ("graph", graphs, x_bounds, y_bounds))
-        pbar.on_interrupt = lambda: send(("interrupt",))
-        send(("begin", main.total))
+            (GRAPH, graphs, x_bounds, y_bounds))
+        pbar.on_interrupt = lambda: send((INTERRUPT,))
+        send((BEGIN, main.total))
 
 
 class ProgressMirror:
     """Replays a relayed fit's events on this process's fastprogress bars (those plain fastai would draw): one method
-    per kind of event `ProgressRelay` sends, called by name."""
+    per kind of event `ProgressRelay` sends, called by name (ddipp.core.group.messages)."""
 
     def __init__(self):
         self.bar, self.child_bar = None, None

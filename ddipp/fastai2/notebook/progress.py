@@ -10,6 +10,8 @@ import fastai.callback.progress
 from fastai.callback.progress import ProgressCallback
 from fastprogress.fastprogress import MasterBar, ProgressBar
 
+from ...core.group.messages import CHILD, CHILD_END, EPOCH, GRAPH, MASTER, MASTER_END, UPDATE, WRITE
+
 
 class RelayedMasterBar(MasterBar):
     """A master bar over `total` epochs that sends what is done with it."""
@@ -17,19 +19,19 @@ class RelayedMasterBar(MasterBar):
     def __init__(self, total: int, send: Callable[[tuple], None]):
         super().__init__(range(total), ProgressBar, total)
         self.send = send
-        send(("master", total))
+        send((MASTER, total))
 
     def update(self, val: int) -> None:
-        self.send(("epoch", val))
+        self.send((EPOCH, val))
 
     def on_iter_end(self) -> None:
-        self.send(("master_end",))
+        self.send((MASTER_END,))
 
     def write(self, line, table: bool = False) -> None:
-        self.send(("write", line, table))
+        self.send((WRITE, line, table))
 
     def update_graph(self, graphs, x_bounds=None, y_bounds=None, figsize=(6, 4)) -> None:
-        self.send(("graph", graphs, x_bounds, y_bounds, figsize))
+        self.send((GRAPH, graphs, x_bounds, y_bounds, figsize))
 
 
 class RelayedProgressBar(ProgressBar):
@@ -38,13 +40,13 @@ class RelayedProgressBar(ProgressBar):
     def __init__(self, total: int, parent: RelayedMasterBar, send: Callable[[tuple], None]):
         super().__init__(range(total), total, parent=parent, leave=False)
         self.send = send
-        send(("child", total, parent is not None))
+        send((CHILD, total, parent is not None))
 
     def update(self, val: int) -> None:
-        self.send(("update", val, self.comment))
+        self.send((UPDATE, val, self.comment))
 
     def on_iter_end(self) -> None:
-        self.send(("child_end",))
+        self.send((CHILD_END,))
 
 
 class ProgressRelay(ProgressCallback):
@@ -70,7 +72,7 @@ class ProgressRelay(ProgressCallback):
 
 class ProgressMirror:
     """Makes the calls a relayed fit made on its bars on this process's own fastprogress bars: one method per kind of
-    event `ProgressRelay` sends, called by name."""
+    event `ProgressRelay` sends, called by name (ddipp.core.group.messages)."""
 
     def __init__(self):
         self.bar, self.child_bar = None, None
