@@ -1,7 +1,8 @@
 """A notebook's learner bound to a worker group: its `learn.fit` runs there, through the adapter's fit function."""
+import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 
 from ..ddp import say_global_batch
 from .group import WorkerGroup, _groups, group_for
@@ -57,6 +58,30 @@ def group_of(learn: Any) -> WorkerGroup:
     group.learners[id(learn)] = learn
     return group
 
+
+
+def fit_on_group(learn: Any, data: Any, call: Callable[[AbstractSet[str]], bytes], mirror: Any,
+                 apply_results: Callable[[List[bytes]], None], kept: Callable[[], Tuple[int, int]],
+                 untrained: Callable[[], None] = lambda: None) -> None:
+    """Run a bound learner's fit on its group: the `call` made for the tensors the workers hold, its progress shown by
+    `mirror`; then `apply_results` puts rank 0's results on the learner, as a local fit would leave it. A failed fit
+    keeps what was trained up to the failure (`kept()`: its epoch and step, said) or, if nothing was, leaves the learner
+    as it was (`untrained()` then does what a local fit that failed would); an interrupted one raises
+    KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit."""
+    group = group_of(learn)
+    try:
+        results, interrupted = group.fit(data, call(group.held), learn.ddp.options, mirror)
+    except BaseException:
+        if group.trained is not None:
+            apply_results(group.trained)
+            group.say_kept(*kept())
+            raise
+        print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
+        untrained()
+        raise
+    apply_results(results)
+    if interrupted:
+        raise KeyboardInterrupt
 
 class OfBinding:
     """A method of a bound learner, set on it as an attribute (fastai calls `self.fit`), that unbind takes away; it

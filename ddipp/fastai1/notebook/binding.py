@@ -1,6 +1,5 @@
 """A fastai v1 learner bound to its worker group (ddipp.core.group.binding), through fastai's `purge` and `destroy`
 too, and its fit there: same arguments as `Learner.fit`, and afterwards the learner a local fit would leave."""
-import sys
 from functools import update_wrapper
 from typing import Any, Optional, Tuple
 
@@ -9,7 +8,7 @@ from fastai.basic_train import Learner
 from fastai.core import defaults, listify
 
 from ...core.group import binding
-from ...core.group.binding import OfBinding, group_of, unbind
+from ...core.group.binding import OfBinding, unbind
 from . import fitting
 from .fitting import apply_results, fit_call
 from .progress import ProgressMirror
@@ -64,21 +63,13 @@ class Destroy(OfBinding):
 def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = None, callbacks: Any = None) -> None:
     """`Learner.fit` on the worker group: same arguments, and afterwards the learner a local fit would leave."""
     learn.ddp.say_global_batch(_train_bs(learn.data))  # again if a new learn.data changed the batch size
-    group = group_of(learn)
-    callbacks = listify(callbacks)
-    call = fit_call(learn, group.held, epochs, lr, wd, callbacks)
-    mirror = ProgressMirror()
-    try:
-        results, interrupted = group.fit(learn.data, call, learn.ddp.options, mirror)
-    except BaseException:
-        if group.trained is not None:  # as a local fit that fails: what was trained up to the failure stays
-            apply_results(learn, group.trained, mirror.bar, callbacks)
-            group.say_kept(len(getattr(learn.recorder, "nb_batches", [])), len(getattr(learn.recorder, "losses", [])))
-            raise
-        print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
-        if not hasattr(learn, "recorder"):  # as after a local fit that failed: an empty recorder
+    callbacks, mirror = listify(callbacks), ProgressMirror()
+
+    def empty_recorder() -> None:  # as a local fit that failed leaves it
+        if not hasattr(learn, "recorder"):
             learn.callback_fns[0](learn)
-        raise
-    apply_results(learn, results, mirror.bar, callbacks)
-    if interrupted:  # as Ctrl-C in a local fit: it stops, keeps what was trained, and the caller sees the interrupt
-        raise KeyboardInterrupt
+    binding.fit_on_group(
+        learn, learn.data, lambda held: fit_call(learn, held, epochs, lr, wd, callbacks), mirror,
+        apply_results=lambda results: apply_results(learn, results, mirror.bar, callbacks),
+        kept=lambda: (len(getattr(learn.recorder, "nb_batches", [])), len(getattr(learn.recorder, "losses", []))),
+        untrained=empty_recorder)

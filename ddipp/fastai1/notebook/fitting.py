@@ -14,13 +14,11 @@ from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner
 from fastai.callback import Callback
 
-from ...core import dist as ddist
-from ...core.group.output import relayed_output
+from ...core.group.fitting import fit_and_keep, received_fit
 from ...core.group.wire import HeldTensors, dumps, fit_request, loads, without_unpicklable
-from ...core.rng import seed_all
-from .progress import ProgressRelay
 from ...core.state import load_model_state, model_state, move_optimizer_state, state_tensors
 from ..state import opt_state
+from .progress import ProgressRelay
 from .shipping import data_objects, learner_objects, loaders
 
 
@@ -41,29 +39,15 @@ def place_data(data: DataBunch, device: torch.device) -> DataBunch:
 
 def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, send: Optional[Callable[[tuple], None]],
             held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
-    """A worker's half: run the call under DDP (taking the tensors it names from `held`); on rank 0 (the one given
-    `send`) relay progress and return results; keep the model's and optimizer's tensors in `held`, with their digests.
-
-    A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
-    local fit: what was trained so far comes back; so it does from a fit that fails, ahead of the error."""
-    request = loads(call, data_objects(data), device, held=held)
-    seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
+    """A worker's half (`ddipp.core.group.adapter.Fitting.run_fit`): the call under DDP, rank 0 relaying progress
+    through a callback of the fit."""
+    request = received_fit(call, data_objects(data), device, held, opt_state)
     learn = request["learn"]
-    learn.model.to(device)
-    move_optimizer_state(opt_state(learn))
     learn.to_ddp(**options)
     callbacks = request["callbacks"] + ([ProgressRelay(send)] if send else [])
-    try:
-        with relayed_output(send):
-            learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks)
-    except ddist.StopRequested:
-        pass
-    except BaseException:  # rank 0 sends what it trained up to its last completed step, as a local fit keeps it
-        if send is not None:
-            send(("trained", results(learn, request["callbacks"])))
-        raise
-    fitted = None if send is None else results(learn, request["callbacks"])
-    return fitted, held.keep(state_tensors(learn.model, opt_state(learn)))
+    return fit_and_keep(lambda: learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks),
+                        lambda: results(learn, request["callbacks"]), send, held,
+                        lambda: state_tensors(learn.model, opt_state(learn)))
 
 
 def results(learn: Learner, fit_callbacks: list) -> List[bytes]:

@@ -15,14 +15,12 @@ from fastai.callback.progress import ProgressCallback
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 
-from ...core import dist as ddist
-from ...core.group.output import relayed_output
+from ...core.group.fitting import fit_and_keep, received_fit
 from ...core.group.wire import (HeldTensors, dumps, fit_request, grad_from_spec, grad_spec, loads, travelling_state,
                                 without_unpicklable)
-from ...core.rng import seed_all
-from .progress import ProgressRelay
 from ...core.state import load_model_state, model_state, move_optimizer_state, state_tensors
 from ..state import opt_state
+from .progress import ProgressRelay
 from .shipping import data_objects, fit_callbacks, learner_objects
 
 _HELD = ("dls", "model", "opt", "cbs")  # the learner's attributes that come back otherwise (or are the same objects)
@@ -44,34 +42,22 @@ def place_data(dls: DataLoaders, device: torch.device) -> DataLoaders:
 
 def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device, send: Optional[Callable[[tuple], None]],
             held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
-    """A worker's half: run the call under DDP (taking the tensors it names from `held`); on rank 0 (the one given
-    `send`) relay progress and return results; keep the model's and optimizer's tensors in `held`, with their digests.
-
-    A stop the notebook asked for (its interrupt) ends the fit after the same step on every rank, as Ctrl-C ends a
-    local fit: what was trained so far comes back; so it does from a fit that fails, ahead of the error."""
-    request = loads(call, data_objects(dls), device, held=held)
-    seed_all(request["seed"])  # every rank alike, as a launched script that seeds does
+    """A worker's half (`ddipp.core.group.adapter.Fitting.run_fit`): the call under DDP, rank 0 relaying progress in
+    place of the learner's ProgressCallback."""
+    request = received_fit(call, data_objects(dls), device, held, opt_state)
     learn = request["learn"]
-    learn.model.to(device)
-    move_optimizer_state(opt_state(learn))
     callbacks = fit_callbacks(learn, request["cbs"])
     learn.to_ddp(**options)
-    relay = None
-    try:
+    relay = []  # the ProgressRelay that stood for the learner's ProgressCallback during the fit, if it had one
+
+    def fit() -> None:
         with ExitStack() as stack:
             if send is not None:
-                stack.enter_context(relayed_output(send))
-                relay = _relayed_progress(learn, send, stack)
+                relay.append(_relayed_progress(learn, send, stack))
             learn.fit(request["n_epoch"], request["lr"], wd=request["wd"], cbs=request["cbs"],
                       reset_opt=request["reset_opt"], start_epoch=request["start_epoch"])
-    except ddist.StopRequested:
-        pass
-    except BaseException:  # rank 0 sends what it trained up to its last completed step, as a local fit keeps it
-        if send is not None:
-            send(("trained", results(learn, callbacks, relay)))
-        raise
-    fitted = None if send is None else results(learn, callbacks, relay)
-    return fitted, held.keep(state_tensors(learn.model, opt_state(learn)))
+    return fit_and_keep(fit, lambda: results(learn, callbacks, relay[0] if relay else None), send, held,
+                        lambda: state_tensors(learn.model, opt_state(learn)))
 
 
 def _relayed_progress(learn: Learner, send: Callable[[tuple], None], stack: ExitStack) -> Optional[ProgressRelay]:
