@@ -312,9 +312,12 @@ def test_the_failing_ranks_error_comes_first_and_the_rank_it_stopped_says_so_in_
     lines = stderr.splitlines()
     error = lines.index("[rank1]: ValueError: rank 1 fails on purpose")  # the end of rank 1's log, shown
     rank0 = [i for i, line in enumerate(lines) if line.startswith((f"{PROG}: rank 0", "[rank0]"))]
-    assert rank0 == [error + 1], stderr  # rank 0, stopped by rank 1's failure: one line, after it
-    assert lines[error + 1] in (f"{PROG}: rank 0 stopped because rank 1 failed (ValueError: rank 1 fails on purpose)",
-                                f"{PROG}: rank 0 stopped (SIGTERM)"), stderr  # the launcher may stop it first
+    # rank 0, stopped by rank 1's failure: one line, after it; none where elastic stopped it first and does not
+    # report a rank it stopped (torch 2.8; 2.14 reports it)
+    assert rank0 in ([], [error + 1]), stderr
+    assert rank0 == [] or lines[error + 1] in (
+        f"{PROG}: rank 0 stopped because rank 1 failed (ValueError: rank 1 fails on purpose)",
+        f"{PROG}: rank 0 stopped (SIGTERM)"), stderr  # the launcher may stop it first
     assert [line for line in stdout.splitlines() + lines if "Traceback" in line] == ["[rank1]: Traceback (most recent "
                                                                                       "call last):"]
 
