@@ -1,6 +1,6 @@
 """What both adapters' Throughput callbacks count and say alike: an epoch's samples over all ranks, and the line that
 compares the fit's rate with one process's."""
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -9,7 +9,7 @@ from . import dist as ddist
 from .collectives import reduce_sum
 
 
-def global_counts(n_items: int, order: Sequence[int], count: int, elapsed: float) -> tuple[int, int, float]:
+def global_counts(n_items: int, order: Iterable[int], count: int, elapsed: float) -> tuple[int, int, float]:
     """(samples, distinct items, seconds of the slowest rank) of an epoch's training over all ranks, from this rank's
     `count` samples, the first of its `order` (indices into the `n_items` of the training set), in `elapsed` s."""
     device = ddist.device()  # where the backend's collectives work (NCCL: CUDA tensors only)

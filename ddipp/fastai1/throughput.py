@@ -57,7 +57,7 @@ class Throughput(LearnerCallback):
         if ddp is None:  # one process: its sampler draws each item at most once per epoch
             return self.count, self.count, self.elapsed
         sampler = ddp.train_sampler
-        return global_counts(len(sampler.sampler), list(sampler), self.count, self.elapsed)
+        return global_counts(len(sampler.sampler), sampler, self.count, self.elapsed)
 
     def _time_one_process(self) -> float:
         """Samples/s of `compare_batches` training steps of this process alone; the model and optimizer are put back."""
