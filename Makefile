@@ -32,8 +32,11 @@ $(VENV)/.installed: pyproject.toml constraints/fastai1.txt
 	$(PY) -m pip install --quiet -c constraints/fastai1.txt -e '.[fastai1,test]'
 	touch $@
 
-$(VENV2)/.installed: pyproject.toml constraints/fastai2.txt
+# .venv2 hard-links the distributions .venv holds at its pins (tools/link_venv.py: torch and its CUDA libraries, 6 GB,
+# stored once), so .venv comes first
+$(VENV2)/.installed: pyproject.toml constraints/fastai2.txt | $(VENV)/.installed
 	$(PYTHON) -m venv $(VENV2)
+	$(PYTHON) tools/link_venv.py $(VENV) $(VENV2) constraints/fastai2.txt
 	$(PY2) -m pip install --quiet --upgrade 'pip>=23'
 	$(PY2) -m pip install --quiet -c constraints/fastai2.txt -e '.[fastai2,test]'
 	touch $@
