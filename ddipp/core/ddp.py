@@ -10,19 +10,40 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import dist as ddist
 from .dist import check_gpus
+from .sharding import part_sizes
 from .syncbn import convert_sync_bn
 
 LR_FIND_MODES = ("solo", "distributed")
 
 
-def check_options(lr_find_mode: str, timeout: float) -> None:
-    """ValueError naming a bad `lr_find_mode` or `timeout` of to_ddp, and what to give instead."""
+def check_options(lr_find_mode: str, timeout: float, split_batches: bool = False) -> None:
+    """ValueError naming a bad `lr_find_mode`, `timeout` or `split_batches` of to_ddp, and what to give instead."""
     if lr_find_mode not in LR_FIND_MODES:
         raise ValueError(f"to_ddp(lr_find_mode={lr_find_mode!r}): use 'solo' (rank 0 sweeps alone) or "
                          "'distributed' (all ranks sweep with the global batch)")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"to_ddp(timeout={timeout!r}): timeout is the seconds a rank may wait for the others, "
                          "a number > 0 (default 600)")
+    if not isinstance(split_batches, bool):
+        raise ValueError(f"to_ddp(split_batches={split_batches!r}): True (the loader's batch is the global batch, "
+                         "split over the processes) or False (each process takes a whole batch; the default)")
+
+
+def check_split(bs: int, world_size: int, smallest_part: int, batchnorm: bool, sync_bn: bool) -> None:
+    """ValueError, before a split_batches fit's first step, for a batch size its processes cannot share: `smallest_part`
+    is the fewest items a process gets in a step, `batchnorm` whether the model has BatchNorm layers."""
+    if bs < world_size:
+        raise ValueError(f"split_batches=True splits each batch of bs={bs} over {world_size} processes, which leaves "
+                         f"a process no item: use bs >= {world_size}, or leave split_batches out (each process then "
+                         "takes bs items a step)")
+    if batchnorm and smallest_part == 0:
+        raise ValueError(f"split_batches=True: the training set's last batch has fewer items than the {world_size} "
+                         f"processes, and a process with no item cannot train the model's BatchNorm layers: give the "
+                         "training loader drop_last=True")
+    if batchnorm and smallest_part == 1 and not sync_bn:
+        raise ValueError(f"split_batches=True: a batch of bs={bs} over {world_size} processes gives one of them a "
+                         f"single item in some step, and BatchNorm cannot train on one item: use bs >= "
+                         f"{2 * world_size} with drop_last=True, or to_ddp(..., sync_bn=True)")
 
 
 def check_matches_launch(gpus: Optional[Sequence[int]], nprocs: Optional[int]) -> None:
@@ -56,12 +77,17 @@ def notebook_devices(gpus: Optional[Sequence[int]], nprocs: Optional[int]) -> Tu
     return tuple(f"cuda:{g}" for g in gpus)
 
 
-def say_global_batch(bs: Optional[int], processes: int) -> None:
-    """Print the global batch a notebook's learner now trains with: bs is per process, as in a launched script."""
-    if bs:
+def say_global_batch(bs: Optional[int], processes: int, split_batches: bool) -> None:
+    """Print the global batch a notebook's learner now trains with: bs per process, or bs split (split_batches)."""
+    if not bs:
+        return
+    if split_batches:
+        parts = " + ".join(map(str, part_sizes(bs, processes)))
+        print(f"ddipp: global batch {bs} kept: {parts} over {processes} processes")
+    else:
         print(f"ddipp: global batch {bs * processes} = {bs} per process x {processes} (an epoch takes 1/{processes} "
-              f"of the steps of one process with bs={bs}); scale the learning rate or the batch size to match one "
-              "process's training")
+              f"of the steps of one process with bs={bs}); add split_batches=True to keep bs={bs} as the global "
+              "batch: one process's training, faster")
 
 
 class ResettableDDP(DistributedDataParallel):

@@ -1,17 +1,35 @@
 """The steps of a distributed fit that both adapters' DistributedCallbacks take alike."""
+from typing import List, Optional
+
 import torch
 import torch.distributed as dist
 
 from . import dist as ddist
 
 
-def global_loss_and_stop(loss: torch.Tensor, summed: bool, world_size: int) -> tuple[torch.Tensor, bool]:
+def global_loss_and_stop(loss: torch.Tensor, summed: bool, world_size: int,
+                         split_sizes: Optional[List[int]] = None) -> tuple[torch.Tensor, bool]:
     """The loss of the global batch from this rank's `loss` (float32; a summed loss adds up, a mean averages), and
-    whether any rank asked to stop: one all-reduce, so every rank stops after this same step."""
-    loss_and_stop = torch.stack([loss.detach().float(), loss.new_tensor(ddist.stop_requested()).float()])
+    whether any rank asked to stop: one all-reduce, so every rank stops after this same step. Under split_batches
+    (`split_sizes`: each rank's items of the global batch) each rank's mean loss counts by its share."""
+    if split_sizes is None:
+        mine = loss.detach().float() / (1 if summed else world_size)
+    else:
+        mine = loss.detach().float() * split_weight(split_sizes, summed) / world_size
+    loss_and_stop = torch.stack([mine, loss.new_tensor(ddist.stop_requested()).float()])
     dist.all_reduce(loss_and_stop)
     total, stop = loss_and_stop
-    return (total if summed else total / world_size), bool(stop)
+    return total, bool(stop)
+
+
+def split_weight(sizes: List[int], summed: bool) -> float:
+    """This rank's loss factor before backward under split_batches (`sizes`: each rank's items of the global batch), so
+    that DDP's average of the ranks' gradients is one process's on the whole batch: N x the rank's share for a mean
+    loss, N for a summed one, 0 for a placeholder (a rank with no item of a short last batch)."""
+    mine, world_size = sizes[dist.get_rank()], len(sizes)
+    if mine == 0:
+        return 0.0
+    return float(world_size) if summed else world_size * mine / sum(sizes)
 
 
 def meet_at_end() -> None:

@@ -107,7 +107,48 @@ class ShardedEvalBatchSampler(Sampler):
 
     def sizes(self, k: int) -> List[int]:
         """How many real items each rank holds of batch k."""
-        return [len(self.batches[k][r::self.world_size]) for r in range(self.world_size)]
+        return part_sizes(len(self.batches[k]), self.world_size)
+
+
+def part_sizes(batch_len: int, world_size: int) -> List[int]:
+    """How many items each rank holds of a batch of `batch_len` split into items rank, rank+N, ..."""
+    return [len(range(r, batch_len, world_size)) for r in range(world_size)]
+
+
+class SplitBatchSampler(Sampler):
+    """Rank `rank`'s part of each global batch (split_batches): items rank, rank+N, ... of batch k of `bs` items of
+    `sampler`'s order, the order drawn alike on every rank from `seed` and the epoch (`set_epoch`) as ShardedSampler
+    draws it. Step k of the N ranks covers batch k of one process with batch `bs`, the last short one too unless
+    `drop_last`; a rank whose part is empty gets the batch's first item as a placeholder (`sizes` says 0 for it)."""
+
+    def __init__(self, sampler: Sampler, bs: int, drop_last: bool, rank: int, world_size: int, seed: int):
+        self.sampler = ShardedSampler(sampler, 0, 1, seed)  # the whole order (its set_epoch: RepeatedBatches)
+        self.bs, self.drop_last, self.rank, self.world_size = bs, drop_last, rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def global_batches(self) -> List[List[int]]:
+        """This epoch's batches of one process, the same on every rank."""
+        order = list(self.sampler)
+        return [order[i:i + self.bs] for i in range(0, len(self) * self.bs, self.bs)]
+
+    def __iter__(self):
+        return iter(ShardedEvalBatchSampler(self.global_batches(), self.rank, self.world_size))
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.bs if self.drop_last else -(-n // self.bs)
+
+    def sizes(self, k: int) -> List[int]:
+        """How many real items each rank holds of batch k (of an epoch; past the last, of a later pass)."""
+        k %= len(self)
+        n = len(self.sampler)
+        return part_sizes(min(self.bs, n - k * self.bs), self.world_size)
+
+    def smallest_part(self) -> int:
+        """The fewest real items a rank gets in a step of an epoch."""
+        return min(min(self.sizes(k)) for k in {0, len(self) - 1})
 
 
 def unshard(x: Any, sizes: List[int]) -> Any:

@@ -43,6 +43,11 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.running_var.mul_(1 - factor).add_(factor * unbiased_var)
 
 
+def has_batchnorm(model: nn.Module) -> bool:
+    """True if `model` has a BatchNorm layer (which needs 2 or more items a step to train)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def convert_sync_bn(model: nn.Module):
     """Swap the BatchNorm layers of `model` for SyncBatchNorm layers sharing their Parameters and buffers.
 

@@ -25,11 +25,12 @@ from torch import nn
 
 from ..core import dist as ddist
 from ..core.sharding import pad_to_longest, shared_seed, unshard
-from ..core.ddp import LR_FIND_MODES, wrap
+from ..core.ddp import LR_FIND_MODES, check_split, wrap
 from ..core.files import UnnamedFile
-from ..core.fit import global_loss_and_stop, meet_at_end
+from ..core.fit import global_loss_and_stop, meet_at_end, split_weight
 from ..core.memory import release_memory
-from .loaders import repeat_passes, shard_eval_loader, shard_train_loader
+from ..core.syncbn import has_batchnorm
+from .loaders import repeat_passes, shard_eval_loader, shard_train_loader, split_train_loader
 
 
 class DistributedCallback(LearnerCallback):
@@ -42,16 +43,18 @@ class DistributedCallback(LearnerCallback):
     instead of at the timeout; the next fit joins a new group."""
     _order = -20  # before Recorder (-10): it must record the global loss, and stay silent on rank > 0
 
-    def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None):
+    def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None,
+                 split_batches: bool = False):
         super().__init__(learn)
-        self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
+        self.sync_bn, self.find_unused_parameters, self.split_batches = sync_bn, find_unused_parameters, split_batches
         self.distributed = False  # between a fit's on_train_begin and the undoing of what it changed
         self.fitting = False  # from a distributed fit's on_train_begin to its on_train_end
         self.stopping = False  # an interrupt reached every rank: stop before the next batch
         self.undo = ExitStack()  # every change to the learner a distributed fit makes, undone in reverse
         self.unmute = ExitStack()  # rank > 0's CSV loggers, put back after the fit's last callback ran
         self.rank, self.world_size = 0, 1
-        self.train_sampler = None  # the ShardedSampler of this fit's training shard (set_epoch, its seed)
+        self.train_sampler = None  # the ShardedSampler or SplitBatchSampler of this fit's training shard (set_epoch)
+        self.train_batch = 0  # which training batch of the epoch (or of its passes) is running
         self.lm_streams = None  # set_epoch of a language model's sharded streams
         self.padding = None  # (pad_idx, pad_first) of padded text batches, else None
         self.eval_batches = None  # the ShardedEvalBatchSampler of the validation loader
@@ -66,7 +69,12 @@ class DistributedCallback(LearnerCallback):
         self.fitting = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         learn, data = self.learn, self.learn.data
-        sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, shared_seed())
+        if self.split_batches:
+            sharded = split_train_loader(data.train_dl, self.rank, self.world_size, shared_seed())
+            check_split(data.train_dl.dl.batch_sampler.batch_size, self.world_size,
+                        sharded.dl.batch_sampler.smallest_part(), has_batchnorm(learn.model), self.sync_bn)
+        else:
+            sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, shared_seed())
         if len(sharded) == 0:  # refused before anything changes
             raise ValueError(_no_batch(data.train_dl, self.world_size))
         _check_callbacks(learn)
@@ -80,7 +88,7 @@ class DistributedCallback(LearnerCallback):
         self.undo.callback(_restore, learn, model, train_dl, valid_dl)
         learn.model = wrap(model, self.undo, self.sync_bn, self.find_unused_parameters)
         data.train_dl = sharded
-        self.train_sampler = sharded.dl.batch_sampler.sampler
+        self.train_sampler = sharded.dl.batch_sampler if self.split_batches else sharded.dl.batch_sampler.sampler
         self.undo.callback(_rescale_schedule(learn, len(train_dl) * n_epochs, len(sharded) * n_epochs))
         self.lm_streams = getattr(sharded.dl.dataset, "set_epoch", None)  # language-model streams
         self.padding = _padding(train_dl)
@@ -104,7 +112,7 @@ class DistributedCallback(LearnerCallback):
             self.train_sampler.set_epoch(epoch)
             if self.lm_streams:
                 self.lm_streams(epoch)
-            self.valid_batch = 0
+            self.valid_batch = self.train_batch = 0
 
     def _validating(self, train: bool) -> bool:
         return self.distributed and not train and self.eval_batches is not None
@@ -123,18 +131,27 @@ class DistributedCallback(LearnerCallback):
         if self._validating(train):
             return {"last_output": unshard(last_output, self.eval_batches.sizes(self.valid_batch))}
 
-    def on_backward_begin(self, last_loss, **kwargs):
+    def on_backward_begin(self, last_loss, last_input, **kwargs):
+        """The global batch's loss, and any rank's stop, in one all-reduce. Under split_batches this rank's loss is
+        weighted by its share of the batch before backward, and AccumulateScheduler counts the whole batch's items."""
         if not self.distributed:
             return
-        loss, self.stopping = global_loss_and_stop(last_loss, self.summed_loss, self.world_size)
+        sizes = self.train_sampler.sizes(self.train_batch) if self.split_batches else None
+        loss, self.stopping = global_loss_and_stop(last_loss, self.summed_loss, self.world_size, sizes)
         self.global_loss = loss.cpu()
         self.smoother.add_value(self.global_loss)
-        return {"smooth_loss": self.smoother.smooth}
+        if sizes is None:
+            return {"smooth_loss": self.smoother.smooth}
+        accumulating = getattr(self.learn, "accumulate_scheduler", None)  # set when made, given to fit() or learn
+        if isinstance(accumulating, AccumulateScheduler):  # its on_batch_begin counted this rank's items
+            accumulating.acc_samples += sum(sizes) - last_input.shape[0]
+        return {"smooth_loss": self.smoother.smooth, "last_loss": last_loss * split_weight(sizes, self.summed_loss)}
 
     def on_batch_end(self, train: bool, last_loss, **kwargs):
         if self._validating(train):
             self.valid_batch += 1
         elif self.distributed and train:  # the loss of the global batch: decisions on it (TerminateOnNaN) agree
+            self.train_batch += 1
             return {"last_loss": self.global_loss.to(last_loss.device, last_loss.dtype)}
 
     def on_train_end(self, exception, **kwargs) -> None:

@@ -20,15 +20,18 @@ _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
 def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None,
            sync_bn: bool = False, find_unused_parameters: Optional[bool] = None,
-           lr_find_mode: str = "solo", timeout: float = 600) -> Learner:
+           lr_find_mode: str = "solo", timeout: float = 600, split_batches: bool = False) -> Learner:
     """Make every later fit of `learn` distributed; a no-op in a plain process given neither `gpus` nor `nprocs`.
 
     In a launched process it joins the launcher's group (`gpus`/`nprocs`, if given, must match it). Elsewhere
     (a notebook) it binds `learn` to a persistent group of worker processes, one per GPU of `gpus` in that
     order or `nprocs` CPU processes, on which each fit runs; `timeout` is how many seconds a rank may wait for
-    the others in a collective before the fit fails instead of hanging."""
-    check_options(lr_find_mode, timeout)
-    options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
+    the others in a collective before the fit fails instead of hanging. `split_batches=True` keeps the training
+    loader's batch as the global batch, each process taking its part (one process's steps and numbers); by default
+    each process takes a whole batch."""
+    check_options(lr_find_mode, timeout, split_batches)
+    options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode,
+                   split_batches=split_batches)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return learn
@@ -43,7 +46,8 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     _lm_eval_loaders(learn.data)
     for name, method in _METHODS.items():  # save, export and validate as a launched learner needs them
         setattr(learn, name, MethodType(method, learn))
-    learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
+    learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
+                                   split_batches=split_batches),
                            partial(LRFinderBypassCallback, mode=lr_find_mode), GCCallback]
     return learn
 

@@ -6,7 +6,8 @@ from fastai.text.data import LanguageModelPreLoader, SortishSampler
 from torch.utils.data import BatchSampler, Sampler, SequentialSampler
 
 from ..core.dist import loader_workers
-from ..core.sharding import RepeatedBatches, ShardedEvalBatchSampler, ShardedSampler, global_rngs_seeded
+from ..core.sharding import (RepeatedBatches, ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler,
+                             global_rngs_seeded)
 from .compat import sortish_chunks
 
 
@@ -64,6 +65,22 @@ def shard_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, see
         sampler = SequentialSampler(dataset)
     sampler = ShardedSampler(sampler, rank, world_size, seed)
     return _with(loader, dataset, BatchSampler(sampler, batches.batch_size, batches.drop_last))
+
+
+def split_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, seed: int) -> DeviceDataLoader:
+    """A copy of `loader` whose batch k is rank `rank`'s part of the batch k one process reads (split_batches): items
+    rank, rank+N, ... of it (`SplitBatchSampler`). A language model's loader reads `bs` streams, one row an item."""
+    batches, dataset = loader.dl.batch_sampler, loader.dl.dataset
+    if not isinstance(getattr(batches, "batch_size", None), int):
+        raise TypeError(f"split_batches=True splits the training loader's batches of batch_size items, and its batch "
+                        f"sampler ({type(batches).__name__}) has no batch_size: build the DataLoader with batch_size "
+                        "(and a sampler) instead of a batch_sampler, or leave split_batches out")
+    sampler = _train_sampler(batches.sampler, 1)
+    if isinstance(dataset, LanguageModelPreLoader):
+        dataset = ShardedLMStreams(dataset, batches.batch_size, seed)
+        sampler = SequentialSampler(dataset)
+    parts = SplitBatchSampler(sampler, batches.batch_size, batches.drop_last, rank, world_size, seed)
+    return _with(loader, dataset, parts)
 
 
 def repeat_passes(loader: DeviceDataLoader, passes: int) -> DeviceDataLoader:

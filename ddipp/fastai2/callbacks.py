@@ -16,15 +16,17 @@ from fastai.callback.progress import CSVLogger, ProgressCallback, ShowGraphCallb
 from fastai.callback.schedule import LRFinder
 from fastai.callback.training import GradientAccumulation
 from fastai.data.load import DataLoader
+from fastai.torch_core import to_detach
 
 from ..core import dist as ddist
 from ..core.sharding import shared_seed, unshard
-from ..core.ddp import LR_FIND_MODES, wrap
+from ..core.ddp import LR_FIND_MODES, check_split, wrap
 from ..core.files import UnnamedFile
-from ..core.fit import global_loss_and_stop, meet_at_end
+from ..core.fit import global_loss_and_stop, meet_at_end, split_weight
 from ..core.memory import release_memory
+from ..core.syncbn import has_batchnorm
 from ..core.state import load_model_state, model_state
-from .loaders import ShardedEvalDL, ShardedTrainDL, WholeEvalDL, splittable
+from .loaders import ShardedEvalDL, ShardedTrainDL, SplitTrainDL, WholeEvalDL, splittable
 from .state import load_opt_state_dict, opt_state_dict
 
 
@@ -41,14 +43,14 @@ class DistributedCallback(Callback):
     loss and every metric are one process's; outside a fit (validate, get_preds) every rank evaluates alone."""
     order = -5  # after TrainEvalCallback (-10) put the model on its device; before Recorder (50) and the bars (60)
 
-    def __init__(self, sync_bn: bool = False, find_unused_parameters: bool = None):
-        self.sync_bn, self.find_unused_parameters = sync_bn, find_unused_parameters
+    def __init__(self, sync_bn: bool = False, find_unused_parameters: bool = None, split_batches: bool = False):
+        self.sync_bn, self.find_unused_parameters, self.split_batches = sync_bn, find_unused_parameters, split_batches
         self.undo = ExitStack()  # every change a distributed fit made, undone in reverse when it ends
         self.in_fit = False  # inside learn.fit (before_fit also starts validate() and get_preds(), which stay local)
         self.joined = False  # this fit began on a group of 2 or more ranks: at its end they meet, or this rank leaves
         self.running = False  # the model is wrapped and the training loader sharded (until undistribute/run_alone)
         self.rank, self.world_size = 0, 1
-        self.shard = None  # this fit's ShardedTrainDL (its set_epoch)
+        self.shard = None  # this fit's ShardedTrainDL or SplitTrainDL (its set_epoch)
         self.parts = None  # the ShardedEvalDL of the validation running, when it is split across ranks
         self.summed_loss = False  # the loss function sums over the batch (else it averages)
         self.stopping = False  # an interrupt reached every rank: stop before the next batch
@@ -110,7 +112,11 @@ class DistributedCallback(Callback):
             raise TypeError(f"ddipp shards a fastai DataLoader of indexed items in batches of bs, and the training "
                             f"loader is a {kind} (bs={getattr(train, 'bs', None)}): build the DataLoaders with "
                             f"fastai's DataLoader (fastai.data.load.DataLoader) or its DataBlock API")
-        shard = ShardedTrainDL(train, rank, world_size, shared_seed())
+        if self.split_batches:
+            shard = SplitTrainDL(train, rank, world_size, shared_seed())
+            check_split(train.bs, world_size, shard.parts.smallest_part(), has_batchnorm(learn.model), self.sync_bn)
+        else:
+            shard = ShardedTrainDL(train, rank, world_size, shared_seed())
         if len(shard) == 0:  # refused before anything changes
             raise ValueError(_no_batch(train, world_size))
         self.summed_loss = getattr(learn.loss_func, "reduction", "mean") == "sum"
@@ -138,7 +144,10 @@ class DistributedCallback(Callback):
 
     def _accumulate_global_samples(self) -> None:
         """fastai's GradientAccumulation steps once it counted n_acc samples, and a rank sees 1/N of each global batch:
-        for this fit it counts to n_acc/N, so the weights step after n_acc samples across ranks, as in one process."""
+        for this fit it counts to n_acc/N, so the weights step after n_acc samples across ranks, as in one process.
+        (Under split_batches it counts the whole batch: after_loss gathers it.)"""
+        if self.split_batches:
+            return
         for cb in self.learn.cbs:
             if isinstance(cb, GradientAccumulation):
                 self.undo.callback(setattr, cb, "n_acc", cb.n_acc)
@@ -172,12 +181,19 @@ class DistributedCallback(Callback):
     def after_loss(self) -> None:
         """The loss of a training step becomes the global batch's on every rank: what Recorder smooths and callbacks
         decide on (TerminateOnNaN) agrees everywhere. DDP's backward works on this rank's own loss. A stop asked on
-        any rank (a notebook's interrupt) travels with it, so every rank stops after this same step."""
+        any rank (a notebook's interrupt) travels with it, so every rank stops after this same step. Under
+        split_batches this rank's loss is weighted by its share of the batch before backward, and the callbacks after
+        this one see the whole batch's predictions and targets (GradientAccumulation counts its items)."""
         learn = self.learn
         if not (self.running and learn.training):
             return
-        loss, self.stopping = global_loss_and_stop(learn.loss, self.summed_loss, self.world_size)
+        sizes = self.shard.sizes(learn.iter) if self.split_batches else None
+        loss, self.stopping = global_loss_and_stop(learn.loss, self.summed_loss, self.world_size, sizes)
         learn.loss = loss.to(learn.loss.dtype)
+        if sizes is not None:
+            learn.loss_grad = learn.loss_grad * split_weight(sizes, self.summed_loss)
+            learn.pred = unshard(to_detach(learn.pred, cpu=False, gather=False), sizes)
+            learn.yb = unshard(learn.yb, sizes)
 
     def before_validate(self) -> None:
         learn = self.learn

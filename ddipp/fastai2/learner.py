@@ -21,7 +21,8 @@ _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
 @patch
 def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None, sync_bn: bool = False,
-           find_unused_parameters: Optional[bool] = None, lr_find_mode: str = "solo", timeout: float = 600) -> Learner:
+           find_unused_parameters: Optional[bool] = None, lr_find_mode: str = "solo", timeout: float = 600,
+           split_batches: bool = False) -> Learner:
     """Make every later fit of this learner distributed; a no-op in a plain process given neither `gpus` nor `nprocs`.
 
     In a process started by `python -m ddipp.launch` it joins the launcher's group (`gpus`/`nprocs`, if given, must
@@ -29,8 +30,10 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
     (`lr_find_mode`) and GCCallback; `learn.save` and `learn.export` then replace their file only once it is whole.
     Elsewhere (a notebook) it binds the learner to a persistent group of worker processes, one per GPU of `gpus` in
     that order or `nprocs` CPU processes, on which each fit runs; `timeout` is how many seconds a rank may wait for the
-    others in a collective before the fit fails instead of hanging."""
-    check_options(lr_find_mode, timeout)
+    others in a collective before the fit fails instead of hanging. `split_batches=True` keeps the training loader's
+    batch as the global batch, each process taking its part (one process's steps and numbers); by default each process
+    takes a whole batch."""
+    check_options(lr_find_mode, timeout, split_batches)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return self
@@ -38,7 +41,8 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
         from .notebook import fitting
         from .notebook.binding import fit_on_group
         devices = notebook_devices(gpus, nprocs)
-        options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode)
+        options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode,
+                       split_batches=split_batches)
         bind(self, devices, timeout, options, fit_on_group, fitting=fitting.__name__)
         self.save, self.export = AtomicSave(self), AtomicExport(self)  # the exported learner is not bound
         self.ddp.say_global_batch(self.dls.train.bs)
@@ -48,7 +52,8 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
     if not ddist.is_rank0():
         fastprogress.fastprogress.NO_BAR = True  # rank 0 draws the bars, also of validate() and get_preds()
     from_ddp(self)
-    self.add_cbs([DistributedCallback(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters),
+    self.add_cbs([DistributedCallback(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
+                                      split_batches=split_batches),
                   LRFinderBypassCallback(mode=lr_find_mode), GCCallback()])
     self.save, self.export = AtomicSave(self), AtomicExport(self)
     return self

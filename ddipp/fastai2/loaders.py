@@ -13,7 +13,7 @@ from fastai.text.data import LMDataLoader, SortedDL
 from fastai.torch_core import apply, to_detach
 
 from ..core.dist import loader_workers
-from ..core.sharding import ShardedEvalBatchSampler, ShardedSampler, global_batches
+from ..core.sharding import ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler, global_batches
 
 
 class LoaderOrder:
@@ -68,6 +68,22 @@ class _ReadsThrough(DataLoader):
         return self.dl.after_batch(b)
 
 
+class _PartsDL(_ReadsThrough):
+    """A loader whose each "item" is a rank's part of a batch of `dl`, collated as `dl` collates that part (a SortedDL's
+    padded as its whole batch: `pad_to`), whose `to_detach` does not gather across ranks as fastai's does under
+    WORLD_SIZE > 1: once unsharded, every rank holds the whole batch."""
+    pad_to = None  # a SortedDL's items -> the longest item of their batch
+
+    def create_item(self, part):
+        return collate_padded(self.dl, part, self.pad_to)
+
+    def do_batch(self, b):
+        return b  # create_item collated the part already
+
+    def to_detach(self, b, cpu: bool = True, gather: bool = True):
+        return to_detach(b, cpu, gather=False)
+
+
 class ShardedTrainDL(_ReadsThrough):
     """Rank `rank`'s shard of the training loader `dl`: positions rank, rank+N, rank+2N, ... of `dl`'s own order.
 
@@ -106,6 +122,28 @@ class ShardedTrainDL(_ReadsThrough):
         return self.dl.do_batch(b)
 
 
+class SplitTrainDL(_PartsDL):
+    """Rank `rank`'s part of each batch of the training loader `dl` (split_batches): items rank, rank+N, ... of batch k
+    of `dl`'s own order, drawn alike on every rank from `seed` and the epoch (`set_epoch`), in batches of `dl.bs` as one
+    process reads them (its drop_last too): the N ranks' step k is one process's step k. `sizes(k)` says how many
+    items each rank holds of batch k (a rank with none evaluates a placeholder, as ShardedEvalDL's do)."""
+
+    def __init__(self, dl: DataLoader, rank: int, world_size: int, seed: int):
+        self.parts = SplitBatchSampler(LoaderOrder(dl, dl.bs), dl.bs, dl.drop_last, rank, world_size, seed)
+        super().__init__(dl, bs=None, n=len(self.parts))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.parts.set_epoch(epoch)
+
+    def sizes(self, k: int):
+        return self.parts.sizes(k)
+
+    def get_idxs(self):
+        batches = self.parts.global_batches()
+        self.pad_to = longest_of_batches(self.dl, batches)
+        return list(ShardedEvalBatchSampler(batches, self.parts.rank, self.parts.world_size))
+
+
 def global_batch_loader(dl: DataLoader, world_size: int) -> DataLoader:
     """The loader whose order and items the ranks share: `dl`, or for a language model `dl` with N x bs streams.
 
@@ -116,13 +154,12 @@ def global_batch_loader(dl: DataLoader, world_size: int) -> DataLoader:
     return dl
 
 
-class ShardedEvalDL(_ReadsThrough):
+class ShardedEvalDL(_PartsDL):
     """Rank `rank`'s part of each batch of the evaluation loader `dl`: items rank, rank+N, ... of its batch k.
 
     Batch k is what `dl` yields as batch k in one process (its `get_idxs()` order in batches of `dl.bs`); every item
     is evaluated once across ranks, and `unshard(x, sizes(k))` rebuilds the whole batch on every rank (a rank whose
-    part is empty evaluates a placeholder item, which unshard drops). Its `to_detach` does not gather across ranks as
-    fastai's does under WORLD_SIZE > 1: once unsharded, every rank holds the whole batch."""
+    part is empty evaluates a placeholder item, which unshard drops)."""
 
     def __init__(self, dl: DataLoader, rank: int, world_size: int):
         idxs = list(dl.get_idxs())
@@ -137,15 +174,6 @@ class ShardedEvalDL(_ReadsThrough):
 
     def get_idxs(self):
         return list(self.parts)
-
-    def create_item(self, part):
-        return collate_padded(self.dl, part, self.pad_to)
-
-    def do_batch(self, b):
-        return b  # create_item collated the part already
-
-    def to_detach(self, b, cpu: bool = True, gather: bool = True):
-        return to_detach(b, cpu, gather=False)
 
 
 def longest_of_batches(dl: DataLoader, batches) -> Optional[dict]:

@@ -11,7 +11,7 @@ from .group import WorkerGroup, _groups, group_for
 @dataclass
 class Binding:
     """Where a bound learner's fits run and with which adapter's fitting module, the options of ddipp's callbacks
-    there, and the per-process batch size whose global batch it said last."""
+    there, and the training loader's batch size whose global batch it said last."""
     devices: Tuple[str, ...]
     timeout: float
     options: dict
@@ -19,9 +19,9 @@ class Binding:
     said_bs: Optional[int] = None
 
     def say_global_batch(self, bs: Optional[int]) -> None:
-        """Say the global batch that a per-process `bs` makes, unless it is the one this binding said last."""
+        """Say the global batch that the loader's `bs` makes, unless it is the one this binding said last."""
         if bs != self.said_bs:
-            say_global_batch(bs, len(self.devices))
+            say_global_batch(bs, len(self.devices), self.options.get("split_batches", False))
             self.said_bs = bs
 
 

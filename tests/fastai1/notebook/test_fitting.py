@@ -266,7 +266,7 @@ def test_the_global_batch_is_said_at_binding_and_again_when_the_batch_size_chang
     learn.fit(1, 1e-2)
     out = capsys.readouterr().out
     assert out.count("ddipp: global batch 32 = 16 per process x 2 (an epoch takes 1/2 of the steps of one process "
-                     "with bs=16); scale the learning rate or the batch size") == 1
+                     "with bs=16); add split_batches=True to keep bs=16 as the global batch") == 1
     learn.data = digits_data(tmp_path, bs=8)
     learn.fit(1, 1e-2)
     assert capsys.readouterr().out.count("ddipp: global batch 16 = 8 per process x 2 (an epoch takes 1/2") == 1

@@ -25,11 +25,11 @@ def batch_max_prob(out, targ):
     return out.softmax(-1).max()
 
 
-def digits_data(path, bs, val_bs=64, n_valid=359, shuffle=False) -> DataBunch:
+def digits_data(path, bs, val_bs=64, n_valid=359, shuffle=False, drop_last=True) -> DataBunch:
     """scikit-learn's digits as 64 features; the first `n_valid` (an odd number by default) validate."""
     digits = load_digits()
     x, y = torch.tensor(digits.data / 16, dtype=torch.float32), torch.tensor(digits.target)
-    train = DataLoader(TensorDataset(x[n_valid:], y[n_valid:]), bs, shuffle=shuffle, drop_last=True)
+    train = DataLoader(TensorDataset(x[n_valid:], y[n_valid:]), bs, shuffle=shuffle, drop_last=drop_last)
     valid = DataLoader(TensorDataset(x[:n_valid], y[:n_valid]), val_bs)
     return DataBunch(train, valid, path=path, device=torch.device("cpu"), no_check=True)
 

@@ -39,12 +39,13 @@ class ReversedDL(DataLoader):
         return list(reversed(super().get_idxs()))
 
 
-def digits_dls(bs, val_bs=64, n_valid=101, n_train=N_TRAIN, shuffle=False, dl_type=DataLoader) -> DataLoaders:
+def digits_dls(bs, val_bs=64, n_valid=101, n_train=N_TRAIN, shuffle=False, dl_type=DataLoader,
+               drop_last=True) -> DataLoaders:
     """scikit-learn's digits as 64 features; the first `n_valid` (odd by default) validate, the next `n_train` train,
-    in batches of `bs` (drop_last)."""
+    in batches of `bs`."""
     x, y = _digits()
     end = n_valid + n_train
-    train = dl_type(TensorDataset(x[n_valid:end], y[n_valid:end]), bs=bs, shuffle=shuffle, drop_last=True)
+    train = dl_type(TensorDataset(x[n_valid:end], y[n_valid:end]), bs=bs, shuffle=shuffle, drop_last=drop_last)
     valid = DataLoader(TensorDataset(x[:n_valid], y[:n_valid]), bs=val_bs)
     return DataLoaders(train, valid, device="cpu")
 

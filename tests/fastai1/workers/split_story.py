@@ -1,0 +1,35 @@
+"""split_batches on fastai v1: the story (scenario.py) and what else counts steps or samples, with the training
+loader's batch kept as the global batch; played in one process (the reference), launched and in notebook mode."""
+from functools import partial
+
+from fastai.callbacks import EarlyStoppingCallback
+from fastai.train import AccumulateScheduler
+import torch
+from torch import nn
+
+from scenario import digits_data, digits_learner, history, params, story
+
+# (batch size, drop_last): 1438 training items; 16 splits evenly over 2 ranks and leaves a last batch of 14, 15
+# splits evenly over 3 ranks
+SETTINGS = [(16, False), (15, True)]
+
+
+def split_story(make, path) -> dict:
+    """The story, then a fit with AccumulateScheduler (a summed loss, as it needs; SGD) and one that
+    EarlyStoppingCallback stops, each on a new learner from `make(learner)` (to_ddp, or nothing for the reference)."""
+    res = {}
+    for bs, drop_last in SETTINGS:
+        def learner():
+            return make(digits_learner(digits_data(path, bs=bs, drop_last=drop_last)))
+        key = f"bs{bs}"
+        res[key] = story(learner())
+        learn = learner()
+        learn.loss_func = nn.CrossEntropyLoss(reduction="sum")
+        learn.opt_func = partial(torch.optim.SGD, momentum=0.9)  # Adam would turn gloo's float noise into steps
+        learn.fit(1, 1e-2, callbacks=[AccumulateScheduler(learn, n_step=3)])
+        res[key]["accumulated"] = dict(params=params(learn), history=history(learn))
+        learn = learner()
+        learn.callback_fns.append(partial(EarlyStoppingCallback, monitor="valid_loss", min_delta=0.05, patience=1))
+        learn.fit(12, 1e-2)
+        res[key]["early_stop"] = dict(params=params(learn), history=history(learn))
+    return res

@@ -1,0 +1,18 @@
+"""Launched on N ranks by tests/fastai1/test_split_batches.py: plays split_story.py under to_ddp(split_batches=True)
+and saves what each rank saw in OUT/rank{r}.pt."""
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import ddipp  # noqa: E402
+from split_story import split_story  # noqa: E402
+
+out = Path(sys.argv[1])
+rank = ddipp.rank()
+with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log):
+    res = split_story(lambda learn: learn.to_ddp(split_batches=True), out / "work")
+torch.save(res, out / f"rank{rank}.pt")
