@@ -1,6 +1,7 @@
 """to_ddp(split_batches=True) on fastai v1: workers/split_story.py launched on 2 and 3 ranks and in notebook mode on 3
 and 2 processes, each against the same story in one process at the same bs (divisible by the ranks and not, a short
-last batch and drop_last): weights, recorder, steps per epoch, AccumulateScheduler, EarlyStoppingCallback."""
+last batch and drop_last): weights, recorder, steps per epoch, lr_find, AccumulateScheduler,
+EarlyStoppingCallback, BatchNorm with sync_bn."""
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ HISTORIES = ["fit", "fit_frozen", "fit_unfrozen", "sweep_before", "sweep_after"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return split_story(lambda learn: learn, tmp_path_factory.mktemp("reference"))
+    return split_story(lambda learn, **options: learn, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["launched-2", "launched-3"])
@@ -31,7 +32,7 @@ def launched(request, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["notebook-3", "notebook-2"])
 def notebook(request, tmp_path_factory):
-    return split_story(lambda learn: learn.to_ddp(nprocs=request.param, split_batches=True),
+    return split_story(lambda learn, **options: learn.to_ddp(nprocs=request.param, split_batches=True, **options),
                        tmp_path_factory.mktemp(f"notebook{request.param}"))
 
 
@@ -48,6 +49,8 @@ def check_story(run: dict, reference: dict) -> None:
         # from rank to rank in the last bits (also without split_batches): 5e-5 after 95 steps
         assert max_diff(got["accumulated"]["params"], ref["accumulated"]["params"]) <= 1e-4, key
         assert close(got["accumulated"]["history"], ref["accumulated"]["history"], tol=1e-4)
+        assert max_diff(got["batchnorm"]["state"], ref["batchnorm"]["state"]) <= TOL  # sync_bn: one process's
+        assert close(got["batchnorm"]["history"], ref["batchnorm"]["history"], tol=1e-4)
         stopped, expected = got["early_stop"]["history"], ref["early_stop"]["history"]
         assert len(expected["val_losses"]) == 3 and close(stopped, expected, tol=1e-4)  # stopped after the same epoch
 
@@ -70,3 +73,14 @@ def test_a_batch_smaller_than_the_processes_is_refused_before_the_first_step(tmp
     with pytest.raises(Exception, match=r"splits each batch of bs=2 over 3 processes, which leaves a process no item"):
         learn.fit(1, 1e-2)
     assert max_diff(before, [p.detach() for p in learn.model.parameters()]) == 0
+
+
+@pytest.mark.slow
+def test_a_loader_whose_batch_size_cannot_be_read_is_refused(tmp_path):
+    data = digits_data(tmp_path, bs=16)
+    batches = [list(range(i, i + 16)) for i in range(0, 320, 16)]  # a plain list: no batch_size
+    data.train_dl = data.train_dl.new(batch_sampler=batches, batch_size=1, shuffle=False, sampler=None, drop_last=False)
+    learn = digits_learner(data).to_ddp(nprocs=3, split_batches=True)
+    with pytest.raises(Exception, match=r"its batch sampler \(list\) has no batch_size: build the DataLoader with "
+                                        r"batch_size \(and a sampler\) instead of a batch_sampler"):
+        learn.fit(1, 1e-2)

@@ -1,6 +1,7 @@
 """to_ddp(split_batches=True) on fastai v2: workers/split_story.py launched on 2 and 3 ranks and in notebook mode on 3
 and 2 processes, each against the same story in one process at the same bs (divisible by the ranks and not, a short
-last batch and drop_last): weights, recorder, steps per epoch, GradientAccumulation, EarlyStoppingCallback."""
+last batch and drop_last): weights, recorder, steps per epoch, lr_find, GradientAccumulation,
+EarlyStoppingCallback, BatchNorm with sync_bn."""
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ HISTORIES = ["fit", "fit_frozen", "fit_unfrozen", "fine_tune"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return split_story(lambda learn: learn, tmp_path_factory.mktemp("reference"))
+    return split_story(lambda learn, **options: learn, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["launched-2", "launched-3"])
@@ -31,7 +32,7 @@ def launched(request, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["notebook-3", "notebook-2"])
 def notebook(request, tmp_path_factory):
-    return split_story(lambda learn: learn.to_ddp(nprocs=request.param, split_batches=True),
+    return split_story(lambda learn, **options: learn.to_ddp(nprocs=request.param, split_batches=True, **options),
                        tmp_path_factory.mktemp(f"notebook{request.param}"))
 
 
@@ -47,6 +48,9 @@ def check_story(run: dict, reference: dict) -> None:
         assert got["accumulated"]["steps"] == ref["accumulated"]["steps"]
         assert max_diff(got["accumulated"]["params"], ref["accumulated"]["params"]) <= TOL, key
         assert close(got["accumulated"]["history"], ref["accumulated"]["history"], tol=1e-4)
+        assert close(got["sweep"], ref["sweep"], tol=1e-4)  # the same lr_find sweep
+        assert max_diff(got["batchnorm"]["state"], ref["batchnorm"]["state"]) <= TOL  # sync_bn: one process's
+        assert close(got["batchnorm"]["history"], ref["batchnorm"]["history"], tol=1e-4)
         stopped, expected = got["early_stop"]["history"], ref["early_stop"]["history"]
         assert len(expected["values"]) == 4 and close(stopped, expected, tol=1e-4)  # stopped after the same epoch
 

@@ -2,6 +2,7 @@
 loader's batch kept as the global batch; played in one process (the reference), launched and in notebook mode."""
 from functools import partial
 
+from fastai.basic_train import Learner
 from fastai.callbacks import EarlyStoppingCallback
 from fastai.train import AccumulateScheduler
 import torch
@@ -14,15 +15,31 @@ from scenario import digits_data, digits_learner, history, params, story
 SETTINGS = [(16, False), (15, True)]
 
 
+def batchnorm_learner(data) -> Learner:
+    """An MLP with a BatchNorm layer, trained with SGD (Adam would turn SyncBatchNorm's float noise into steps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    return Learner(data, model, loss_func=nn.CrossEntropyLoss(), opt_func=partial(torch.optim.SGD, momentum=0.9))
+
+
+def state(learn) -> list:
+    """The parameters and the buffers (BatchNorm's running statistics)."""
+    return [t.detach().clone().float() for t in learn.model.state_dict().values()]
+
+
 def split_story(make, path) -> dict:
-    """The story, then a fit with AccumulateScheduler (a summed loss, as it needs; SGD) and one that
-    EarlyStoppingCallback stops, each on a new learner from `make(learner)` (to_ddp, or nothing for the reference)."""
+    """The story (lr_find included), then a fit with AccumulateScheduler (a summed loss, as it needs; SGD), one that
+    EarlyStoppingCallback stops and one of a model with BatchNorm (sync_bn), each on a new learner from
+    `make(learner, **options)` (to_ddp, or nothing for the reference)."""
     res = {}
     for bs, drop_last in SETTINGS:
         def learner():
             return make(digits_learner(digits_data(path, bs=bs, drop_last=drop_last)))
         key = f"bs{bs}"
         res[key] = story(learner())
+        learn = make(batchnorm_learner(digits_data(path, bs=bs, drop_last=drop_last)), sync_bn=True)
+        learn.fit(2, 1e-2)
+        res[key]["batchnorm"] = dict(state=state(learn), history=history(learn))
         learn = learner()
         learn.loss_func = nn.CrossEntropyLoss(reduction="sum")
         learn.opt_func = partial(torch.optim.SGD, momentum=0.9)  # Adam would turn gloo's float noise into steps

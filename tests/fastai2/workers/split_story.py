@@ -1,24 +1,45 @@
 """split_batches on fastai v2: the story (fit_story.py) and what else counts steps or samples, with the training
 loader's batch kept as the global batch; played in one process (the reference), launched and in notebook mode."""
+import torch
 from fastai.callback.tracker import EarlyStoppingCallback
 from fastai.callback.training import GradientAccumulation
+from fastai.learner import Learner
+from fastai.optimizer import SGD
+from torch import nn
 
-from fit_story import StepLosses, digits_dls, digits_learner, history, params, story
+from fit_story import StepLosses, digits_dls, digits_learner, history, params, story, sweep
 
 # (batch size, drop_last): 645 training items; 16 splits evenly over 2 ranks and leaves a last batch of 5, 15 splits
 # evenly over 3 ranks
 SETTINGS = [(16, False), (15, True)]
 
 
+def batchnorm_learner(dls, path) -> Learner:
+    """An MLP with a BatchNorm layer, trained with SGD (Adam would turn SyncBatchNorm's float noise into steps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    return Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, path=path)
+
+
+def state(learn) -> list:
+    """The parameters and the buffers (BatchNorm's running statistics)."""
+    return [t.detach().clone().float() for t in learn.model.state_dict().values()]
+
+
 def split_story(make, path) -> dict:
-    """The fit story, then a fit with GradientAccumulation and one that EarlyStoppingCallback stops, each on a new
-    learner from `make(learner)` (to_ddp, or nothing for the reference)."""
+    """The fit story, lr_find, then a fit with GradientAccumulation, one that EarlyStoppingCallback stops and one of a
+    model with BatchNorm (sync_bn), each on a new learner from `make(learner, **options)` (to_ddp, or nothing for the
+    reference)."""
     res = {}
     for bs, drop_last in SETTINGS:
         def learner():
             return make(digits_learner(digits_dls(bs=bs, drop_last=drop_last), path))
         key = f"bs{bs}"
         res[key] = story(learner())
+        res[key]["sweep"] = sweep(learner())
+        learn = make(batchnorm_learner(digits_dls(bs=bs, drop_last=drop_last), path), sync_bn=True)
+        learn.fit(2, 0.1)
+        res[key]["batchnorm"] = dict(state=state(learn), history=history(learn))
         learn, steps = learner(), StepLosses()
         learn.fit(2, 1e-2, cbs=[GradientAccumulation(n_acc=40), steps])
         res[key]["accumulated"] = dict(params=params(learn), history=history(learn), steps=len(steps.losses))

@@ -14,5 +14,5 @@ from split_story import split_story  # noqa: E402
 out = Path(sys.argv[1])
 rank = ddipp.rank()
 with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log):
-    res = split_story(lambda learn: learn.to_ddp(split_batches=True), out / "work")
+    res = split_story(lambda learn, **options: learn.to_ddp(split_batches=True, **options), out / "work")
 torch.save(res, out / f"rank{rank}.pt")
