@@ -128,6 +128,15 @@ class SplitBatchSampler(Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
+    @property
+    def seed(self) -> int:
+        """The seed the order is drawn with (a Checkpoint keeps it)."""
+        return self.sampler.seed
+
+    @seed.setter
+    def seed(self, seed: int) -> None:
+        self.sampler.seed = seed
+
     def global_batches(self) -> List[List[int]]:
         """This epoch's batches of one process, the same on every rank."""
         order = list(self.sampler)

@@ -130,6 +130,7 @@ class SplitTrainDL(_PartsDL):
 
     def __init__(self, dl: DataLoader, rank: int, world_size: int, seed: int):
         self.parts = SplitBatchSampler(LoaderOrder(dl, dl.bs), dl.bs, dl.drop_last, rank, world_size, seed)
+        self.order = self.parts.sampler  # the order's seed, as ShardedTrainDL's (a Checkpoint keeps it)
         super().__init__(dl, bs=None, n=len(self.parts))
 
     def set_epoch(self, epoch: int) -> None:

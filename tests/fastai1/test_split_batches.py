@@ -1,6 +1,6 @@
 """to_ddp(split_batches=True) on fastai v1: workers/split_story.py launched on 2 and 3 ranks and in notebook mode on 3
 and 2 processes, each against the same story in one process at the same bs (divisible by the ranks and not, a short
-last batch and drop_last): weights, recorder, steps per epoch, lr_find, AccumulateScheduler,
+last batch and drop_last): weights, recorder, steps per epoch, lr_find, a Checkpoint's resume, AccumulateScheduler,
 EarlyStoppingCallback, BatchNorm with sync_bn."""
 from pathlib import Path
 
@@ -49,6 +49,8 @@ def check_story(run: dict, reference: dict) -> None:
         # from rank to rank in the last bits (also without split_batches): 5e-5 after 95 steps
         assert max_diff(got["accumulated"]["params"], ref["accumulated"]["params"]) <= 1e-4, key
         assert close(got["accumulated"]["history"], ref["accumulated"]["history"], tol=1e-4)
+        assert max_diff(got["resumed"], got["uninterrupted"]) <= 1e-6  # a Checkpoint resumes the split order
+        assert max_diff(got["resumed"], ref["uninterrupted"]) <= TOL
         assert max_diff(got["batchnorm"]["state"], ref["batchnorm"]["state"]) <= TOL  # sync_bn: one process's
         assert close(got["batchnorm"]["history"], ref["batchnorm"]["history"], tol=1e-4)
         stopped, expected = got["early_stop"]["history"], ref["early_stop"]["history"]

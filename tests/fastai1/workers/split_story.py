@@ -2,12 +2,13 @@
 loader's batch kept as the global batch; played in one process (the reference), launched and in notebook mode."""
 from functools import partial
 
-from fastai.basic_train import Learner
+from fastai.basic_train import Learner, LearnerCallback
 from fastai.callbacks import EarlyStoppingCallback
 from fastai.train import AccumulateScheduler
 import torch
 from torch import nn
 
+import ddipp
 from scenario import digits_data, digits_learner, history, params, story
 
 # (batch size, drop_last): 1438 training items; 16 splits evenly over 2 ranks and leaves a last batch of 14, 15
@@ -27,8 +28,17 @@ def state(learn) -> list:
     return [t.detach().clone().float() for t in learn.model.state_dict().values()]
 
 
+class StopAfter2(LearnerCallback):
+    """Ends the fit after its second epoch, as a crash would (the Checkpoint of that epoch written)."""
+    _order = 10  # after Checkpoint wrote
+
+    def on_epoch_end(self, epoch, **kwargs):
+        return {"stop_training": epoch == 1}
+
+
 def split_story(make, path) -> dict:
-    """The story (lr_find included), then a fit with AccumulateScheduler (a summed loss, as it needs; SGD), one that
+    """The story (lr_find included), a fit resumed from its Checkpoint and the same uninterrupted, then a fit with
+    AccumulateScheduler (a summed loss, as it needs; SGD), one that
     EarlyStoppingCallback stops and one of a model with BatchNorm (sync_bn), each on a new learner from
     `make(learner, **options)` (to_ddp, or nothing for the reference)."""
     res = {}
@@ -37,6 +47,14 @@ def split_story(make, path) -> dict:
             return make(digits_learner(digits_data(path, bs=bs, drop_last=drop_last)))
         key = f"bs{bs}"
         res[key] = story(learner())
+        learn = learner()
+        learn.fit_one_cycle(3, 1e-2, callbacks=[ddipp.Checkpoint(learn, name=f"cut{bs}"), StopAfter2(learn)])
+        learn = learner()
+        learn.fit_one_cycle(3, 1e-2, start_epoch=2, callbacks=[ddipp.Checkpoint(learn, name=f"cut{bs}")])
+        res[key]["resumed"] = params(learn)
+        learn = learner()
+        learn.fit_one_cycle(3, 1e-2)
+        res[key]["uninterrupted"] = params(learn)
         learn = make(batchnorm_learner(digits_data(path, bs=bs, drop_last=drop_last)), sync_bn=True)
         learn.fit(2, 1e-2)
         res[key]["batchnorm"] = dict(state=state(learn), history=history(learn))

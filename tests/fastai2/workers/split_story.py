@@ -1,12 +1,14 @@
 """split_batches on fastai v2: the story (fit_story.py) and what else counts steps or samples, with the training
 loader's batch kept as the global batch; played in one process (the reference), launched and in notebook mode."""
 import torch
+from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.tracker import EarlyStoppingCallback
 from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner
 from fastai.optimizer import SGD
 from torch import nn
 
+import ddipp
 from fit_story import StepLosses, digits_dls, digits_learner, history, params, story, sweep
 
 # (batch size, drop_last): 645 training items; 16 splits evenly over 2 ranks and leaves a last batch of 5, 15 splits
@@ -26,8 +28,18 @@ def state(learn) -> list:
     return [t.detach().clone().float() for t in learn.model.state_dict().values()]
 
 
+class StopAfter2(Callback):
+    """Ends the fit after its second epoch, as a crash would (the Checkpoint of that epoch written)."""
+    order = 80  # after Checkpoint (71) wrote
+
+    def after_epoch(self):
+        if self.epoch == 1:
+            raise CancelFitException()
+
+
 def split_story(make, path) -> dict:
-    """The fit story, lr_find, then a fit with GradientAccumulation, one that EarlyStoppingCallback stops and one of a
+    """The fit story, lr_find, a fit resumed from its Checkpoint and the same uninterrupted, then a fit with
+    GradientAccumulation, one that EarlyStoppingCallback stops and one of a
     model with BatchNorm (sync_bn), each on a new learner from `make(learner, **options)` (to_ddp, or nothing for the
     reference)."""
     res = {}
@@ -37,6 +49,14 @@ def split_story(make, path) -> dict:
         key = f"bs{bs}"
         res[key] = story(learner())
         res[key]["sweep"] = sweep(learner())
+        learn = learner()
+        learn.fit_one_cycle(3, 1e-2, cbs=[ddipp.Checkpoint(name=f"cut{bs}"), StopAfter2()])
+        learn = learner()
+        learn.fit_one_cycle(3, 1e-2, start_epoch=2, cbs=ddipp.Checkpoint(name=f"cut{bs}"))
+        res[key]["resumed"] = params(learn)
+        learn = learner()
+        learn.fit_one_cycle(3, 1e-2)
+        res[key]["uninterrupted"] = params(learn)
         learn = make(batchnorm_learner(digits_dls(bs=bs, drop_last=drop_last), path), sync_bn=True)
         learn.fit(2, 0.1)
         res[key]["batchnorm"] = dict(state=state(learn), history=history(learn))
