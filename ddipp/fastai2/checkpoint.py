@@ -5,12 +5,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fastai.callback.core import Callback
+from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import SkipToEpoch
 from fastai.torch_core import to_device
 from fastcore.foundation import L
 
 from ..core import dist as ddist
+from ..core import resume
 from ..core.checkpoint import read_checkpoint
 from ..core.files import save_atomic
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
@@ -25,11 +26,14 @@ class Checkpoint(Callback):
     The file holds the model, the optimizer state, the epoch reached, the training iteration and smoothed loss, every
     rank's random generator states (the training loader's own included) and ddipp's shuffle seed. Resume with fastai's
     own argument: `learn.fit_one_cycle(4, lr, start_epoch=2)` skips epochs 0 and 1 (fastai's SkipToEpoch), loads the
-    state written after those 2 epochs as epoch 2 begins, and runs epochs 2 and 3 of the same schedule."""
+    state written after those 2 epochs as epoch 2 begins, and runs epochs 2 and 3 of the same schedule. In a launched
+    script that torch elastic restarted (`--max-restarts`), each fit resumes by itself (ddipp.core.resume): the fits the
+    run finished are skipped, the one the restart cut resumes after its last epoch written, with its recorder."""
     order = SkipToEpoch.order + 1  # its before_epoch runs only for the epochs SkipToEpoch lets run
 
     def __init__(self, name: str = "checkpoint"):
         self.file_name = f"{name}.pth"
+        self.skipping = None  # the SkipToEpoch a restarted fit added, until its end
 
     @property
     def file(self) -> Path:
@@ -38,35 +42,68 @@ class Checkpoint(Callback):
     def before_fit(self):
         # not in validate() and get_preds() (they run before_fit too, under fastai's no_mbar), nor in lr_find's sweep
         self.run = self.learn.create_mbar and not hasattr(self.learn, "lr_finder")
+        self.after_fit()  # a SkipToEpoch a fit that raised left
         self.resuming = any(isinstance(cb, SkipToEpoch) for cb in self.learn.cbs)  # fit(..., start_epoch=k), k > 0
-        self.epoch_ran = False
+        self.epoch_ran, self.saved = False, None
+        self.identity = resume.next_fit() if self.run else None
+        if self.run and not self.resuming and resume.restart_count() > 0:
+            self._resume_by_itself()
+
+    def _resume_by_itself(self):
+        """After an elastic restart: skip this fit, resume it after the epochs its file holds, or run it (Plan)."""
+        self.saved = torch.load(self.file, map_location="cpu", weights_only=True) if self.file.exists() else None
+        plan = resume.plan(self.saved, self.identity, self.learn.n_epoch, len(self.learn.dls.train), self.file)
+        line = resume.say(plan, self.identity["fit"], self.file)
+        if line and ddist.is_rank0():
+            print(line, flush=True)
+        if plan.action == "skip":
+            raise CancelFitException()
+        if plan.action == "resume" and plan.epoch >= self.learn.n_epoch:  # finished: its end state, no epoch to run
+            self._load(self.saved)
+            raise CancelFitException()
+        if plan.action == "resume":
+            self.skipping = SkipToEpoch(plan.epoch)
+            self.learn.add_cb(self.skipping)
+            self.resuming = True
 
     def before_epoch(self):
         self.epoch_ran = True
         if self.resuming:
             self.resuming = False
-            self._load()
+            self._load(self.saved)
+
+    def after_fit(self):
+        if self.skipping is not None:
+            self.learn.remove_cb(self.skipping)
+            self.skipping = None
 
     def after_epoch(self):
         if not self.epoch_ran:  # skipped by SkipToEpoch: the model is not that of this epoch's end
             return
         rngs = every_rank([rng_state(), _loader_rng(self.learn)])  # a collective: every rank takes part, rank 0 writes
         if ddist.is_rank0():
-            smooth = self.learn.recorder.smooth_loss
+            recorder = self.learn.recorder
+            smooth = recorder.smooth_loss
             save_atomic(_plain(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
                                     epoch=self.epoch + 1, train_iter=self.learn.train_iter,
                                     smooth_loss=[smooth.count, smooth.val], rngs=rngs,
-                                    shuffle_seed=self._shuffle_seed())),
+                                    shuffle_seed=self._shuffle_seed(),
+                                    recorder=dict(values=recorder.values, losses=recorder.losses, lrs=recorder.lrs,
+                                                  iters=recorder.iters),
+                                    **self.identity, n_epochs=self.learn.n_epoch, steps=len(self.learn.dls.train))),
                         self.file)
 
-    def _load(self):
-        state = read_checkpoint(self.file, self.epoch)
+    def _load(self, state=None):
+        """The state the file holds (or `state`, read already) into the learner, its optimizer, generators, recorder."""
+        state = read_checkpoint(self.file, self.epoch) if state is None else state
         load_model_state(self.learn.model, state["model"])
         opt = to_device(state["opt"], next(self.learn.model.parameters()).device)  # on the parameters' device
         load_opt_state_dict(self.learn, dict(opt, hypers=L(opt["hypers"])))
         self.learn.train_iter = state["train_iter"]
-        smooth = self.learn.recorder.smooth_loss
-        smooth.count, smooth.val = state["smooth_loss"]
+        recorder = self.learn.recorder
+        recorder.smooth_loss.count, recorder.smooth_loss.val = state["smooth_loss"]
+        for name, recorded in state.get("recorder", {}).items():  # the epochs before this one, once each
+            setattr(recorder, name, list(recorded))
         rngs = this_rank(state["rngs"], self.file)
         if rngs is not None:
             set_rng_state(rngs[0])

@@ -1,0 +1,75 @@
+"""Resuming a launched script by itself after torch elastic restarted its group: which fit of the script a
+Checkpoint's file belongs to, and what each fit of the restarted script does with it.
+
+A Checkpoint's file names the launch (torch elastic's run id, the same across its restarts), the script and the fit:
+the n-th fit with a Checkpoint this process started. After a restart the script runs again from its top; its fits
+before the file's are skipped (the file's fit loads the state they led to), the file's fit resumes after the epoch
+the file holds, and the later fits run."""
+import itertools
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+RESTART_ENV, RUN_ID_ENV = "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"
+_fit_numbers = itertools.count(1)  # the fits with a Checkpoint this process started
+
+
+def restart_count() -> int:
+    """How many times torch elastic restarted this process's group (0: the first start, or not launched)."""
+    return int(os.environ.get(RESTART_ENV, 0))
+
+
+def run_id() -> Optional[str]:
+    """The launch's id, the same across its restarts; None outside a launch, or for one of several nodes (ddipp's
+    multi-node launches share the id "none")."""
+    found = os.environ.get(RUN_ID_ENV)
+    return None if found in (None, "", "none") else found
+
+
+def next_fit() -> dict:
+    """The identity of the fit with a Checkpoint that starts now: the launch, the script, its number in the script."""
+    return dict(run_id=run_id(), script=str(Path(sys.argv[0]).resolve()), fit=next(_fit_numbers))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a fit of a restarted script does: "run" it from the start (a fit after the file's), "fresh" likewise (the
+    file is not this launch's: nothing to resume), "skip" it (a fit the run finished: the state it led to is loaded
+    later), or "resume" after `epoch` epochs (a fit the restart cut, or finished: then every epoch is skipped and the
+    state it ended with loaded)."""
+    action: str
+    epoch: int = 0
+
+
+def plan(saved: Optional[dict], fit: dict, n_epochs: int, steps: int, file: Path) -> Plan:
+    """The Plan of the fit `fit` (next_fit) of `n_epochs` epochs of `steps` training steps, given `saved`, the identity
+    a Checkpoint's file holds (None if there is none). ValueError when the file is this run's but not this fit's."""
+    if saved is None or saved.get("run_id") is None or saved["run_id"] != fit["run_id"]:
+        return Plan("fresh")
+    if saved["script"] != fit["script"]:
+        raise ValueError(f"{file} was written by {saved['script']} in this launch, and {fit['script']} reads it: give "
+                         "each script's Checkpoint its own name")
+    if fit["fit"] < saved["fit"]:
+        return Plan("skip")
+    if fit["fit"] > saved["fit"]:
+        return Plan("run")
+    if (saved["n_epochs"], saved["steps"]) != (n_epochs, steps):
+        raise ValueError(f"{file} holds fit {fit['fit']} of this launch with {saved['n_epochs']} epochs of "
+                         f"{saved['steps']} steps, and the restarted script's fit {fit['fit']} has {n_epochs} of "
+                         f"{steps}: a restarted script must run the same fits (is its data or its epochs drawn at "
+                         "random?)")
+    return Plan("resume", saved["epoch"])
+
+
+def say(plan: Plan, fit: int, file: Path) -> Optional[str]:
+    """The line a restarted script's rank 0 prints for a fit's Plan; None for a fit that simply runs."""
+    if plan.action == "run":
+        return None
+    head = f"ddipp: restart {restart_count()}: fit {fit}"
+    if plan.action == "skip":
+        return f"{head} finished before the restart: skipped (a later fit loads what it trained)"
+    if plan.action == "resume":
+        return f"{head} resumed after epoch {plan.epoch} from {file}"
+    return f"{head} starts from scratch (no checkpoint of this launch in {file})"

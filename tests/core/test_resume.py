@@ -1,0 +1,54 @@
+"""ddipp.core.resume: what each fit of a restarted script does with a Checkpoint's file."""
+from pathlib import Path
+
+import pytest
+
+from ddipp.core import resume
+
+FILE = Path("models/checkpoint.pth")
+
+
+def identity(fit, run_id="run-a", script="/x/train.py"):
+    return dict(run_id=run_id, script=script, fit=fit)
+
+
+def saved(fit, epoch, n_epochs=4, steps=20, **kwargs):
+    return dict(identity(fit, **kwargs), epoch=epoch, n_epochs=n_epochs, steps=steps)
+
+
+@pytest.mark.parametrize("fit, expected", [(1, resume.Plan("skip")), (2, resume.Plan("resume", 3)),
+                                           (3, resume.Plan("run"))])
+def test_fits_before_the_files_are_skipped_its_own_resumes_later_ones_run(fit, expected):
+    assert resume.plan(saved(2, 3), identity(fit), 4, 20, FILE) == expected
+
+
+@pytest.mark.parametrize("file_state", [None, saved(2, 3, run_id="run-b"), saved(2, 3, run_id=None)])
+def test_a_file_of_another_launch_or_none_starts_from_scratch(file_state):
+    plan = resume.plan(file_state, identity(2), 4, 20, FILE)
+    assert plan == resume.Plan("fresh")
+    assert resume.say(plan, 2, FILE).endswith("fit 2 starts from scratch (no checkpoint of this launch in "
+                                              "models/checkpoint.pth)")
+
+
+def test_another_schedule_or_script_is_refused_with_what_differs():
+    with pytest.raises(ValueError, match=r"holds fit 2 of this launch with 4 epochs of 20 steps, and the restarted "
+                                         r"script's fit 2 has 5 of 20"):
+        resume.plan(saved(2, 3), identity(2), 5, 20, FILE)
+    with pytest.raises(ValueError, match=r"written by /x/train\.py in this launch, and /x/other\.py reads it"):
+        resume.plan(saved(2, 3), identity(2, script="/x/other.py"), 4, 20, FILE)
+
+
+def test_the_lines_say_what_happened(monkeypatch):
+    monkeypatch.setenv(resume.RESTART_ENV, "1")
+    assert resume.say(resume.Plan("resume", 3), 2, FILE) == ("ddipp: restart 1: fit 2 resumed after epoch 3 from "
+                                                            "models/checkpoint.pth")
+    assert resume.say(resume.Plan("skip"), 1, FILE) == ("ddipp: restart 1: fit 1 finished before the restart: skipped "
+                                                       "(a later fit loads what it trained)")
+    assert resume.say(resume.Plan("run"), 3, FILE) is None
+
+
+def test_the_run_id_of_a_multi_node_launch_names_no_run(monkeypatch):
+    monkeypatch.setenv(resume.RUN_ID_ENV, "none")
+    assert resume.run_id() is None
+    monkeypatch.setenv(resume.RUN_ID_ENV, "abc")
+    assert resume.run_id() == "abc"
