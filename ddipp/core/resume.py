@@ -43,9 +43,10 @@ class Plan:
     epoch: int = 0
 
 
-def plan(saved: Optional[dict], fit: dict, n_epochs: int, steps: int, file: Path) -> Plan:
-    """The Plan of the fit `fit` (next_fit) of `n_epochs` epochs of `steps` training steps, given `saved`, the identity
-    a Checkpoint's file holds (None if there is none). ValueError when the file is this run's but not this fit's."""
+def plan(saved: Optional[dict], fit: dict, n_epochs: int, size: int, file: Path) -> Plan:
+    """The Plan of the fit `fit` (next_fit) of `n_epochs` epochs over a training set of `size` (the adapter's measure:
+    batches or items), given `saved`, the identity a Checkpoint's file holds (None if there is none). ValueError when
+    the file is this launch's but not this fit's."""
     if saved is None or saved.get("run_id") is None or saved["run_id"] != fit["run_id"]:
         return Plan("fresh")
     if saved["script"] != fit["script"]:
@@ -55,10 +56,10 @@ def plan(saved: Optional[dict], fit: dict, n_epochs: int, steps: int, file: Path
         return Plan("skip")
     if fit["fit"] > saved["fit"]:
         return Plan("run")
-    if (saved["n_epochs"], saved["steps"]) != (n_epochs, steps):
-        raise ValueError(f"{file} holds fit {fit['fit']} of this launch with {saved['n_epochs']} epochs of "
-                         f"{saved['steps']} steps, and the restarted script's fit {fit['fit']} has {n_epochs} of "
-                         f"{steps}: a restarted script must run the same fits (is its data or its epochs drawn at "
+    if (saved["n_epochs"], saved["size"]) != (n_epochs, size):
+        raise ValueError(f"{file} holds fit {fit['fit']} of this launch, {saved['n_epochs']} epochs over a training "
+                         f"set of size {saved['size']}, and the restarted script's fit {fit['fit']} has {n_epochs} "
+                         f"over {size}: a restarted script must run the same fits (are its data or epochs drawn at "
                          "random?)")
     return Plan("resume", saved["epoch"])
 

@@ -1,9 +1,12 @@
 """Checkpoint: a fit that can be resumed where it stopped, with the same result as if it had not stopped."""
 from pathlib import Path
 
+import torch
 from fastai.basic_train import Learner, LearnerCallback
+from fastai.core import defaults
 
 from ..core import dist as ddist
+from ..core import resume
 from ..core.checkpoint import read_checkpoint
 from ..core.files import save_atomic
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
@@ -17,22 +20,66 @@ class Checkpoint(LearnerCallback):
 
     The file holds the model, the optimizer state, the epoch and iteration reached, every rank's RNG states and
     ddipp's shuffle seed. Resume with fastai's own argument: `learn.fit_one_cycle(4, lr, start_epoch=2)` loads the
-    state written after epoch 2 (fastai's `jump_to_epoch`) and runs epochs 2 and 3 of the same schedule."""
+    state written after epoch 2 (fastai's `jump_to_epoch`) and runs epochs 2 and 3 of the same schedule. In a launched
+    script that torch elastic restarted (`--max-restarts`), a fit given a Checkpoint (in `callbacks` or
+    `learn.callbacks`) resumes by itself (ddipp.core.resume): a launched learner's `fit` skips the fits the run
+    finished, and the one the restart cut resumes after its last epoch written."""
     _order = -1  # its jump_to_epoch loads the optimizer before the schedulers (order 0) jump to their position
 
     def __init__(self, learn: Learner, name: str = "checkpoint"):
         super().__init__(learn)
         self.path = Path(learn.path) / learn.model_dir / f"{name}.pth"
+        self.identity = None  # this fit's (ddipp.core.resume.next_fit), from its start to its end
+        self.plan = resume.Plan("run")  # what this fit of a restarted script does
+        self.n_epochs = 0
 
-    def on_epoch_end(self, epoch: int, iteration: int, **kwargs) -> None:
+    def skips(self, n_epochs: int) -> bool:
+        """Called by a launched learner's fit before fastai's, after an elastic restart: True if this fit is one the
+        run finished (the state it ended with loaded when it is the file's fit), else the fit runs as planned."""
+        self.identity, self.n_epochs = resume.next_fit(), n_epochs
+        saved = torch.load(self.path, map_location="cpu", weights_only=True) if self.path.exists() else None
+        self.plan = resume.plan(saved, self.identity, n_epochs, len(self.learn.data.train_ds), self.path)
+        line = resume.say(self.plan, self.identity["fit"], self.path)
+        if line and ddist.is_rank0():
+            print(line, flush=True)
+        if self.plan.action == "resume" and self.plan.epoch >= n_epochs:  # finished: the state it ended with
+            if getattr(self.learn, "opt", None) is None:  # the optimizer the fit would have made, to load into
+                self.learn.create_opt(defaults.lr, self.learn.wd)
+            self._load(saved)
+        if self.plan.action == "skip" or (self.plan.action == "resume" and self.plan.epoch >= n_epochs):
+            self.identity, self.plan = None, resume.Plan("run")
+            return True
+        return False
+
+    def on_train_begin(self, n_epochs: int, pbar, **kwargs):
+        if pbar is None:  # Learner.validate()
+            return None
+        if self.identity is None:
+            self.identity, self.n_epochs = resume.next_fit(), n_epochs
+        return {"epoch": self.plan.epoch} if self.plan.action == "resume" else None  # fastai calls jump_to_epoch
+
+    def on_epoch_end(self, epoch: int, iteration: int, **kwargs):
         rngs = every_rank(rng_state())  # a collective: every rank takes part, rank 0 writes
         if ddist.is_rank0():
             save_atomic(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
-                             epoch=epoch + 1, iteration=iteration, rngs=rngs, shuffle_seed=self._sampler_seed()),
+                             epoch=epoch + 1, iteration=iteration, rngs=rngs, shuffle_seed=self._sampler_seed(),
+                             recorder=_recorded(self.learn.recorder), smoothed=self._smoothed(), **self.identity,
+                             n_epochs=self.n_epochs,
+                             size=len(self.learn.data.train_ds)),
                         self.path)
+        if self.plan.action == "resume" and epoch + 1 >= self.n_epochs:  # a plain fit has no schedule that stops it
+            return {"stop_training": True}
+        return None
+
+    def on_train_end(self, **kwargs) -> None:
+        self.identity, self.plan = None, resume.Plan("run")
 
     def jump_to_epoch(self, epoch: int) -> None:
-        state = read_checkpoint(self.path, epoch)
+        self._load(read_checkpoint(self.path, epoch) if self.plan.action != "resume" else None)
+
+    def _load(self, state=None) -> None:
+        """The state the file holds (or `state`, read already) into the model, the optimizer and the generators."""
+        state = torch.load(self.path, map_location="cpu", weights_only=True) if state is None else state
         load_model_state(self.learn.model, state["model"])
         load_opt_state_dict(self.learn, state["opt"])
         rngs = this_rank(state["rngs"], self.path)
@@ -40,8 +87,28 @@ class Checkpoint(LearnerCallback):
             set_rng_state(rngs)
         if state["shuffle_seed"] is not None and self._sampler_seed() is not None:
             distributed_fit(self.learn).train_sampler.seed = state["shuffle_seed"]
+        for name, recorded in state.get("recorder", {}).items():  # the epochs before this one, once each
+            setattr(self.learn.recorder, name, list(recorded))
+        ddp = distributed_fit(self.learn)
+        if ddp is not None and state.get("smoothed") and state["smoothed"][0]:  # the smoothed loss goes on as it was
+            ddp.smoother.n, ddp.smoother.mov_avg = state["smoothed"]
+            ddp.smoother.smooth = ddp.smoother.mov_avg / (1 - ddp.smoother.beta ** ddp.smoother.n)
+
+    def _smoothed(self):
+        """The state of the smoothed training loss of a distributed fit ([n, moving average]), else None."""
+        ddp = distributed_fit(self.learn)
+        return None if ddp is None else [ddp.smoother.n, float(ddp.smoother.mov_avg)]
 
     def _sampler_seed(self):
         """The seed ddipp shuffles this fit's training order with, when the fit is distributed."""
         ddp = distributed_fit(self.learn)
         return ddp.train_sampler.seed if ddp is not None else None
+
+
+def _recorded(recorder) -> dict:
+    """What fastai's Recorder recorded so far, as plain numbers (what a weights-only load reads)."""
+    def plain(x):
+        return None if x is None else float(x)
+    return dict(losses=[plain(v) for v in recorder.losses], val_losses=[plain(v) for v in recorder.val_losses],
+                metrics=[[plain(v) for v in row] for row in recorder.metrics], lrs=[plain(v) for v in recorder.lrs],
+                moms=[plain(v) for v in recorder.moms], nb_batches=[int(n) for n in recorder.nb_batches])

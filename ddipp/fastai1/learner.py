@@ -6,13 +6,15 @@ from typing import Optional, Sequence
 
 from fastai.basic_train import Learner
 from fastai.callback import AverageMetric, Callback
-from fastai.core import ifnone, listify
+from fastai.core import defaults, ifnone, listify
 from fastai.torch_core import is_pathlike, rank_distrib
 
 from ..core import dist as ddist
+from ..core.resume import restart_count
 from ..core.ddp import check_matches_launch, check_options, notebook_devices
 from ..core.files import replacing, writing_as_rank_0
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
+from .checkpoint import Checkpoint
 from .loaders import lm_eval_loader
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
@@ -94,7 +96,17 @@ def _validate(self, dl=None, callbacks=None, metrics=None):
     return type(self).validate(self, dl, callbacks, metrics)
 
 
-_METHODS = {"save": _save, "export": _export, "validate": _validate}
+@wraps(Learner.fit)
+def _fit(self, epochs, lr=defaults.lr, wd=None, callbacks=None):
+    # After torch elastic restarted the group, a fit with a Checkpoint that the run finished is skipped, and its state
+    # loaded when the Checkpoint's file is its (ddipp.core.resume); any other fit is fastai's.
+    checkpoints = [cb for cb in listify(callbacks) + listify(self.callbacks) if isinstance(cb, Checkpoint)]
+    if checkpoints and restart_count() > 0 and checkpoints[0].skips(epochs):
+        return None
+    return type(self).fit(self, epochs, lr, wd, callbacks)
+
+
+_METHODS = {"save": _save, "export": _export, "validate": _validate, "fit": _fit}
 
 
 def _plain_callback_fns(callback_fns: list) -> list:

@@ -90,7 +90,7 @@ class Checkpoint(Callback):
                                     shuffle_seed=self._shuffle_seed(),
                                     recorder=dict(values=recorder.values, losses=recorder.losses, lrs=recorder.lrs,
                                                   iters=recorder.iters),
-                                    **self.identity, n_epochs=self.learn.n_epoch, steps=len(self.learn.dls.train))),
+                                    **self.identity, n_epochs=self.learn.n_epoch, size=len(self.learn.dls.train))),
                         self.file)
 
     def _load(self, state=None):

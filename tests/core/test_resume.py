@@ -12,8 +12,8 @@ def identity(fit, run_id="run-a", script="/x/train.py"):
     return dict(run_id=run_id, script=script, fit=fit)
 
 
-def saved(fit, epoch, n_epochs=4, steps=20, **kwargs):
-    return dict(identity(fit, **kwargs), epoch=epoch, n_epochs=n_epochs, steps=steps)
+def saved(fit, epoch, n_epochs=4, size=20, **kwargs):
+    return dict(identity(fit, **kwargs), epoch=epoch, n_epochs=n_epochs, size=size)
 
 
 @pytest.mark.parametrize("fit, expected", [(1, resume.Plan("skip")), (2, resume.Plan("resume", 3)),
@@ -31,8 +31,8 @@ def test_a_file_of_another_launch_or_none_starts_from_scratch(file_state):
 
 
 def test_another_schedule_or_script_is_refused_with_what_differs():
-    with pytest.raises(ValueError, match=r"holds fit 2 of this launch with 4 epochs of 20 steps, and the restarted "
-                                         r"script's fit 2 has 5 of 20"):
+    with pytest.raises(ValueError, match=r"holds fit 2 of this launch, 4 epochs over a training set of size 20, and "
+                                         r"the restarted script's fit 2 has 5 over 20"):
         resume.plan(saved(2, 3), identity(2), 5, 20, FILE)
     with pytest.raises(ValueError, match=r"written by /x/train\.py in this launch, and /x/other\.py reads it"):
         resume.plan(saved(2, 3), identity(2, script="/x/other.py"), 4, 20, FILE)
