@@ -2,7 +2,7 @@
 from pathlib import Path
 
 import torch
-from fastai.basic_train import Learner, LearnerCallback
+from fastai.basic_train import Learner, LearnerCallback, Recorder
 from fastai.core import defaults
 
 from ..core import dist as ddist
@@ -42,14 +42,19 @@ class Checkpoint(LearnerCallback):
         line = resume.say(self.plan, self.identity["fit"], self.path)
         if line and ddist.is_rank0():
             print(line, flush=True)
-        if self.plan.action == "resume" and self.plan.epoch >= n_epochs:  # finished: the state it ended with
-            if getattr(self.learn, "opt", None) is None:  # the optimizer the fit would have made, to load into
+        finished = self.plan.action == "resume" and self.plan.epoch >= n_epochs
+        if self.plan.action != "skip" and not finished:
+            return False
+        if not hasattr(self.learn, "recorder"):  # the restarted script's first fit: none made one yet, an empty one
+            recorder = Recorder(self.learn)
+            recorder.losses, recorder.val_losses, recorder.lrs, recorder.moms, recorder.metrics = [], [], [], [], []
+            recorder.nb_batches = []
+        if finished:  # the state it ended with, into the optimizer the fit would have made
+            if getattr(self.learn, "opt", None) is None:
                 self.learn.create_opt(defaults.lr, self.learn.wd)
             self._load(saved)
-        if self.plan.action == "skip" or (self.plan.action == "resume" and self.plan.epoch >= n_epochs):
-            self.identity, self.plan = None, resume.Plan("run")
-            return True
-        return False
+        self.identity, self.plan = None, resume.Plan("run")
+        return True
 
     def on_train_begin(self, n_epochs: int, pbar, **kwargs):
         if pbar is None:  # Learner.validate()

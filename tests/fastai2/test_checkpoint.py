@@ -144,23 +144,28 @@ def test_a_fit_stopped_after_epoch_2_resumes_in_a_plain_process_to_the_weights_o
 
 
 def _launch_restartable(out: Path, mode: str) -> str:
-    """workers/restart_worker.py on 2 ranks with --max-restarts 1 (`mode`: kill or whole); rank 0's output."""
+    """workers/restart_worker.py on 2 ranks with --max-restarts 3 (`mode`: kill or whole); rank 0's output."""
     out.mkdir()
     script = Path(__file__).parent / "workers" / "restart_worker.py"
-    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--max-restarts", "1", "--timeout",
+    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--max-restarts", "3", "--timeout",
                            "60", str(script), str(out), mode], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return proc.stdout
 
 
 @pytest.mark.slow
-def test_an_elastic_restart_resumes_the_cut_fit_by_itself_as_if_it_never_stopped(tmp_path):
+def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_stopped(tmp_path):
     said = _launch_restartable(tmp_path / "killed", "kill")
     _launch_restartable(tmp_path / "whole", "whole")
     for r in range(2):
         killed, whole = (torch.load(tmp_path / run / f"rank{r}.pt", weights_only=False) for run in ("killed", "whole"))
-        assert (killed["restarts"], whole["restarts"]) == (1, 0)
+        assert (killed["restarts"], whole["restarts"]) == (3, 0)
         assert max_diff(killed["params"], whole["params"]) <= 1e-6
-        assert len(killed["history"]["values"]) == 4 and close(killed["history"], whole["history"], tol=1e-6)
-    assert "ddipp: restart 1: fit 1 finished before the restart: skipped" in said
-    assert f"ddipp: restart 1: fit 2 resumed after epoch 2 from {tmp_path / 'killed' / 'work' / 'models'}" in said
+        assert [len(killed["histories"][f]["values"]) for f in (2, 3)] == [4, 1]  # each epoch once
+        assert close(killed["histories"][2], whole["histories"][2], tol=1e-6)  # fit 2: its end state loaded
+        assert close(killed["histories"][3], whole["histories"][3], tol=1e-6)
+    models = tmp_path / "killed" / "work" / "models"
+    assert f"ddipp: restart 1: fit 1 starts from scratch (no checkpoint of this launch in {models}" in said
+    assert "ddipp: restart 2: fit 1 finished before the restart: skipped" in said
+    assert f"ddipp: restart 2: fit 2 resumed after epoch 2 from {models}" in said
+    assert f"ddipp: restart 3: fit 2 resumed after epoch 4 from {models}" in said  # finished: its end state loaded

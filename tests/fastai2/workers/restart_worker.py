@@ -1,6 +1,7 @@
-"""Launched on 2 ranks with --max-restarts 1 by tests/fastai2/test_checkpoint.py: a fit with a Checkpoint, then a
-4-epoch one-cycle fit with one; with `kill`, rank 1 kills itself (SIGKILL) at step 3 of epoch 2 of the second fit in
-the first attempt, and torch elastic restarts the group. Saves each rank's weights, recorder and restart count in
+"""Launched on 2 ranks with --max-restarts 3 by tests/fastai2/test_checkpoint.py: three fits with a Checkpoint (2
+epochs; a 4-epoch one-cycle fit; 1 epoch). With `kill`, rank 1 kills itself (SIGKILL) at step 3 of an epoch in each of
+the first 3 attempts (KILLS: before the first checkpoint, in the middle of fit 2, in fit 3 after fit 2 ended), and
+torch elastic restarts the group each time. Saves each rank's weights, recorder and restart count in
 OUT/rank{r}.pt."""
 import os
 import signal
@@ -17,15 +18,20 @@ from fastai.callback.core import Callback  # noqa: E402
 from fit_story import digits_dls, digits_learner, history, params  # noqa: E402
 
 out, kill = Path(sys.argv[1]), sys.argv[2] == "kill"
+KILLS = {0: (1, 0), 1: (2, 2), 2: (3, 0)}  # attempt (elastic's restart count) -> (fit, epoch) whose step 3 it dies at
+fit, histories = 0, {}  # the fit running; each fit's recorder after it
 
 
 class KillRank1(Callback):
     def after_batch(self):
-        if kill and restart_count() == 0 and ddipp.rank() == 1 and self.training and self.epoch == 2 and self.iter == 3:
+        if kill and KILLS.get(restart_count()) == (fit, self.epoch) and ddipp.rank() == 1 and self.training \
+                and self.iter == 3:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 learn = digits_learner(digits_dls(bs=16, shuffle=True), out / "work").to_ddp()
-learn.fit(2, 1e-2, cbs=ddipp.Checkpoint())
-learn.fit_one_cycle(4, 1e-2, cbs=[ddipp.Checkpoint(), KillRank1()])
-torch.save(dict(params=params(learn), history=history(learn), restarts=restart_count()), out / f"rank{ddipp.rank()}.pt")
+for fit, run in enumerate([lambda cbs: learn.fit(2, 1e-2, cbs=cbs), lambda cbs: learn.fit_one_cycle(4, 1e-2, cbs=cbs),
+                            lambda cbs: learn.fit(1, 1e-3, cbs=cbs)], start=1):
+    run([ddipp.Checkpoint(), KillRank1()])
+    histories[fit] = history(learn)
+torch.save(dict(params=params(learn), histories=histories, restarts=restart_count()), out / f"rank{ddipp.rank()}.pt")
