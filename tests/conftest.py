@@ -81,6 +81,15 @@ def launch_2_ranks(script: Path, out: Path, nproc: int = 2) -> None:
     assert proc.returncode == 0, proc.stderr[-5000:]
 
 
+def launch_restartable(script: Path, out: Path, mode: str) -> str:
+    """Run `script OUT MODE` under ddipp's launcher on 2 CPU processes with --max-restarts 3; rank 0's output."""
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--max-restarts", "3", "--timeout",
+                           "60", str(script), str(out), mode], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return proc.stdout
+
+
 @contextlib.contextmanager
 def launched_beside(args: list, out: Path, **env: str):
     """`python -m ddipp.launch --nproc 2 *args` started in the background (its stderr to OUT/stderr.txt, `env` set),

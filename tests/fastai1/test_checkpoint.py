@@ -1,8 +1,6 @@
 """Checkpoint: resuming a 4-epoch one-cycle fit after epoch 2, on 2 ranks (`beyond_ranks`) and in one process;
 resuming a 3-epoch fit after epoch 2 on the data fastai users build."""
 import pickle
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -16,7 +14,7 @@ from fastai.vision import ImageDataBunch, ImageList
 
 import ddipp
 from beyond import StopAt, resume_story
-from conftest import image_folder, tiny_cnn
+from conftest import image_folder, launch_restartable, tiny_cnn
 from ddipp.core.files import save_atomic
 from ddipp.core.rng import seed_all
 from compare import TOL, close, max_diff
@@ -122,20 +120,11 @@ def test_a_fit_stopped_after_epoch_2_resumes_in_a_plain_process_to_the_weights_o
     assert max_diff(params(resumed), params(whole)) == 0
 
 
-def _launch_restartable(out: Path, mode: str) -> str:
-    """workers/restart_worker.py on 2 ranks with --max-restarts 3 (`mode`: kill or whole); rank 0's output."""
-    out.mkdir()
-    script = Path(__file__).parent / "workers" / "restart_worker.py"
-    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--max-restarts", "3", "--timeout",
-                           "60", str(script), str(out), mode], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return proc.stdout
-
-
 @pytest.mark.slow
 def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_stopped(tmp_path):
-    said = _launch_restartable(tmp_path / "killed", "kill")
-    _launch_restartable(tmp_path / "whole", "whole")
+    worker = Path(__file__).parent / "workers" / "restart_worker.py"
+    said = launch_restartable(worker, tmp_path / "killed", "kill")
+    launch_restartable(worker, tmp_path / "whole", "whole")
     for r in range(2):
         killed, whole = (torch.load(tmp_path / run / f"rank{r}.pt", weights_only=False) for run in ("killed", "whole"))
         assert (killed["restarts"], whole["restarts"]) == (3, 0)

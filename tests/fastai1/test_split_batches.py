@@ -13,7 +13,7 @@ from conftest import launch_2_ranks
 from scenario import digits_data, digits_learner
 from split_story import split_story
 
-WORKERS = Path(__file__).parent / "workers"
+WORKER = Path(__file__).parents[1] / "workers" / "split_worker.py"  # plays this fastai's split_story.py
 PHASES = ["fit", "frozen", "unfrozen", "loaded"]
 HISTORIES = ["fit", "fit_frozen", "fit_unfrozen", "sweep_before", "sweep_after"]
 
@@ -26,7 +26,7 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module", params=[2, 3], ids=["launched-2", "launched-3"])
 def launched(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"launched{request.param}")
-    launch_2_ranks(WORKERS / "split_worker.py", out, nproc=request.param)
+    launch_2_ranks(WORKER, out, nproc=request.param)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(request.param)]
 
 

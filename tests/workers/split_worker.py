@@ -1,5 +1,6 @@
-"""Launched on N ranks by tests/fastai2/test_split_batches.py: plays split_story.py under to_ddp(split_batches=True)
-and saves what each rank saw in OUT/rank{r}.pt."""
+"""Launched on N ranks by tests/fastai{1,2}/test_split_batches.py: plays the split_story.py of the installed fastai
+(tests/fastai{N}/workers, on the import path) under to_ddp(split_batches=True) and saves what each rank saw in
+OUT/rank{r}.pt."""
 import contextlib
 import sys
 from pathlib import Path
