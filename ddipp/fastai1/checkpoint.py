@@ -7,8 +7,7 @@ from fastai.core import defaults
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import read_checkpoint
-from ..core.files import save_atomic
+from ..core.checkpoint import check_keep, read_checkpoint, write_checkpoint
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit
@@ -26,9 +25,10 @@ class Checkpoint(LearnerCallback):
     finished, and the one the restart cut resumes after its last epoch written."""
     _order = -1  # its jump_to_epoch loads the optimizer before the schedulers (order 0) jump to their position
 
-    def __init__(self, learn: Learner, name: str = "checkpoint"):
+    def __init__(self, learn: Learner, name: str = "checkpoint", keep: int = 1):
         super().__init__(learn)
         self.path = Path(learn.path) / learn.model_dir / f"{name}.pth"
+        self.keep = check_keep(keep)  # the files that stay: name.pth, name.1.pth, ...
         self.identity = None  # this fit's (ddipp.core.resume.next_fit), from its start to its end
         self.plan = resume.Plan("run")  # what this fit of a restarted script does
         self.n_epochs = 0
@@ -66,12 +66,11 @@ class Checkpoint(LearnerCallback):
     def on_epoch_end(self, epoch: int, iteration: int, **kwargs):
         rngs = every_rank(rng_state())  # a collective: every rank takes part, rank 0 writes
         if ddist.is_rank0():
-            save_atomic(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
-                             epoch=epoch + 1, iteration=iteration, rngs=rngs, shuffle_seed=self._sampler_seed(),
-                             recorder=_recorded(self.learn.recorder), smoothed=self._smoothed(), **self.identity,
-                             n_epochs=self.n_epochs,
-                             size=len(self.learn.data.train_ds)),
-                        self.path)
+            write_checkpoint(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
+                                  epoch=epoch + 1, iteration=iteration, rngs=rngs, shuffle_seed=self._sampler_seed(),
+                                  recorder=_recorded(self.learn.recorder), smoothed=self._smoothed(), **self.identity,
+                                  n_epochs=self.n_epochs, size=len(self.learn.data.train_ds)),
+                             self.path, self.keep)
         if self.plan.action == "resume" and epoch + 1 >= self.n_epochs:  # a plain fit has no schedule that stops it
             return {"stop_training": True}
         return None

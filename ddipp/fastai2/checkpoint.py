@@ -12,8 +12,7 @@ from fastcore.foundation import L
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import read_checkpoint
-from ..core.files import save_atomic
+from ..core.checkpoint import check_keep, read_checkpoint, write_checkpoint
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit
@@ -31,8 +30,8 @@ class Checkpoint(Callback):
     run finished are skipped, the one the restart cut resumes after its last epoch written, with its recorder."""
     order = SkipToEpoch.order + 1  # its before_epoch runs only for the epochs SkipToEpoch lets run
 
-    def __init__(self, name: str = "checkpoint"):
-        self.file_name = f"{name}.pth"
+    def __init__(self, name: str = "checkpoint", keep: int = 1):
+        self.file_name, self.keep = f"{name}.pth", check_keep(keep)  # keep: the files that stay (name.1.pth, ...)
         self.skipping = None  # the SkipToEpoch a restarted fit added, until its end
 
     @property
@@ -84,14 +83,14 @@ class Checkpoint(Callback):
         if ddist.is_rank0():
             recorder = self.learn.recorder
             smooth = recorder.smooth_loss
-            save_atomic(_plain(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
+            write_checkpoint(_plain(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
                                     epoch=self.epoch + 1, train_iter=self.learn.train_iter,
                                     smooth_loss=[smooth.count, smooth.val], rngs=rngs,
                                     shuffle_seed=self._shuffle_seed(),
                                     recorder=dict(values=recorder.values, losses=recorder.losses, lrs=recorder.lrs,
                                                   iters=recorder.iters),
                                     **self.identity, n_epochs=self.learn.n_epoch, size=len(self.learn.dls.train))),
-                        self.file)
+                             self.file, self.keep)
 
     def _load(self, state=None):
         """The state the file holds (or `state`, read already) into the learner, its optimizer, generators, recorder."""

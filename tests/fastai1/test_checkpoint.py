@@ -13,7 +13,7 @@ from fastai.tabular import Categorify, Normalize, TabularDataBunch, tabular_lear
 from fastai.vision import ImageDataBunch, ImageList
 
 import ddipp
-from beyond import StopAt, resume_story
+from beyond import StopAt, ckpt_learner, resume_story
 from conftest import image_folder, launch_restartable, tiny_cnn
 from ddipp.core.files import save_atomic
 from ddipp.core.rng import seed_all
@@ -38,6 +38,13 @@ def test_only_rank0_writes_one_file_per_epoch(beyond_ranks):
     assert [p.rsplit("/", 1)[1] for p in r0["replaced"]] == ["full.pth"] * 4 + ["cut.pth"] * 2 + ["cut.pth"] * 2
     assert r1["replaced"] == []
     assert not list((out / "work" / "models").glob(".*.tmp"))
+
+
+def test_keep_leaves_the_checkpoints_before_the_last(tmp_path):
+    learn = ckpt_learner(tmp_path)
+    learn.fit(3, 1e-2, callbacks=[ddipp.Checkpoint(learn, name="kept", keep=2)])
+    saved = {p.name: torch.load(p, weights_only=True)["epoch"] for p in (tmp_path / "models").glob("kept*.pth")}
+    assert saved == {"kept.pth": 3, "kept.1.pth": 2}
 
 
 def test_resume_in_one_process(tmp_path):

@@ -51,6 +51,13 @@ def test_only_rank0_writes_one_file_per_epoch(extras_ranks):
     assert not list((out / "work" / "models").glob(".*.tmp"))
 
 
+def test_keep_leaves_the_checkpoints_before_the_last(tmp_path):
+    learn = ckpt_learner(tmp_path)
+    learn.fit(3, 1e-2, cbs=ddipp.Checkpoint(name="kept", keep=2))
+    saved = {p.name: torch.load(p, weights_only=True)["epoch"] for p in (tmp_path / "models").glob("kept*.pth")}
+    assert saved == {"kept.pth": 3, "kept.1.pth": 2}
+
+
 def test_resume_in_one_process(tmp_path):
     res = resume_story(tmp_path)
     assert res["saved_epoch"] == 2
