@@ -1,4 +1,5 @@
-"""ddipp.core.checkpoint: the files a Checkpoint keeps."""
+"""ddipp.core.checkpoint: the files a Checkpoint keeps (not test_checkpoint.py: each adapter's tests have one, and tests/core
+runs beside them)."""
 import pytest
 import torch
 
