@@ -1,5 +1,5 @@
-"""ddipp.core.checkpoint: the files a Checkpoint keeps (not test_checkpoint.py: each adapter's tests have one, and tests/core
-runs beside them)."""
+"""ddipp.core.checkpoint: the files a Checkpoint keeps. (Not named test_checkpoint.py: each adapter's tests have one,
+and pytest collects tests/core beside them.)"""
 import pytest
 import torch
 
