@@ -142,8 +142,12 @@ class SplitBatchSampler(Sampler):
         order = list(self.sampler)
         return [order[i:i + self.bs] for i in range(0, len(self) * self.bs, self.bs)]
 
+    def split(self, batches: List[List[int]]) -> List[List[int]]:
+        """This rank's part of each of `batches` (`global_batches`), a placeholder for an empty one."""
+        return list(ShardedEvalBatchSampler(batches, self.rank, self.world_size))
+
     def __iter__(self):
-        return iter(ShardedEvalBatchSampler(self.global_batches(), self.rank, self.world_size))
+        return iter(self.split(self.global_batches()))
 
     def __len__(self) -> int:
         n = len(self.sampler)

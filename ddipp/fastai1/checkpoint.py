@@ -31,14 +31,15 @@ class Checkpoint(LearnerCallback):
         self.keep = check_keep(keep)  # the files that stay: name.pth, name.1.pth, ...
         self.identity = None  # this fit's (ddipp.core.resume.next_fit), from its start to its end
         self.plan = resume.Plan("run")  # what this fit of a restarted script does
+        self.saved = None  # the file's state a restarted fit resumes from, read once by skips()
         self.n_epochs = 0
 
     def skips(self, n_epochs: int) -> bool:
         """Called by a launched learner's fit before fastai's, after an elastic restart: True if this fit is one the
         run finished (the state it ended with loaded when it is the file's fit), else the fit runs as planned."""
         self.identity, self.n_epochs = resume.next_fit(), n_epochs
-        saved = torch.load(self.path, map_location="cpu", weights_only=True) if self.path.exists() else None
-        self.plan = resume.plan(saved, self.identity, n_epochs, len(self.learn.data.train_ds), self.path)
+        self.saved = torch.load(self.path, map_location="cpu", weights_only=True) if self.path.exists() else None
+        self.plan = resume.plan(self.saved, self.identity, n_epochs, len(self.learn.data.train_ds), self.path)
         line = resume.say(self.plan, self.identity["fit"], self.path)
         if line and ddist.is_rank0():
             print(line, flush=True)
@@ -52,8 +53,8 @@ class Checkpoint(LearnerCallback):
         if finished:  # the state it ended with, into the optimizer the fit would have made
             if getattr(self.learn, "opt", None) is None:
                 self.learn.create_opt(defaults.lr, self.learn.wd)
-            self._load(saved)
-        self.identity, self.plan = None, resume.Plan("run")
+            self._load(self.saved)
+        self.on_train_end()
         return True
 
     def on_train_begin(self, n_epochs: int, pbar, **kwargs):
@@ -76,14 +77,13 @@ class Checkpoint(LearnerCallback):
         return None
 
     def on_train_end(self, **kwargs) -> None:
-        self.identity, self.plan = None, resume.Plan("run")
+        self.identity, self.plan, self.saved = None, resume.Plan("run"), None
 
     def jump_to_epoch(self, epoch: int) -> None:
-        self._load(read_checkpoint(self.path, epoch) if self.plan.action != "resume" else None)
+        self._load(self.saved if self.plan.action == "resume" else read_checkpoint(self.path, epoch))
 
-    def _load(self, state=None) -> None:
-        """The state the file holds (or `state`, read already) into the model, the optimizer and the generators."""
-        state = torch.load(self.path, map_location="cpu", weights_only=True) if state is None else state
+    def _load(self, state: dict) -> None:
+        """`state`, read from the file, into the model, the optimizer, the generators and the recorder."""
         load_model_state(self.learn.model, state["model"])
         load_opt_state_dict(self.learn, state["opt"])
         rngs = this_rank(state["rngs"], self.path)

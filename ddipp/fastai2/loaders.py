@@ -142,7 +142,7 @@ class SplitTrainDL(_PartsDL):
     def get_idxs(self):
         batches = self.parts.global_batches()
         self.pad_to = longest_of_batches(self.dl, batches)
-        return list(ShardedEvalBatchSampler(batches, self.parts.rank, self.parts.world_size))
+        return self.parts.split(batches)
 
 
 def global_batch_loader(dl: DataLoader, world_size: int) -> DataLoader:
