@@ -1,15 +1,18 @@
 """The same training under a hand-written torch DDP loop (torchrun), fastai v1's and fastai v2's own DDP, and ddipp
 launched and in notebook mode with fastai v1 and v2: 1 and 2 CPU processes (gloo, one thread each), a small CNN and a
-compute-bound variant, in interleaved rounds. Writes benchmarks/README.md (a table, and throughput.png) and
+compute-bound variant, in interleaved rounds, and ddipp with `split_batches=True`, which must end where one
+process ends. Writes benchmarks/README.md (a table, and throughput.png) and
 benchmarks/results/throughput.json.
 
     make benchmark            # from the repository root: sets up both virtualenvs, then runs this with .venv
 
 The task: scikit-learn's digits as 3x32x32 images (the 8x8 pixels repeated), 4314 training items (the 1438 after
-the first 359, three times) and 359 validation items (odd: a split in equal parts must pad or drop); batch 64 per
-process, 2 epochs of Adam at a constant lr 1e-3 without weight decay (torch's in the loop and fastai v1, fastai's in
-v2), rates taken in the second epoch. One process is the loop or plain fastai of the same version (ddipp's
-`to_ddp()` does nothing in a plain process); ddipp in notebook mode is `to_ddp(nprocs=2)` called in a plain process.
+the first 359, three times, in one order drawn once: no runner shuffles, so that a split of one process's batches
+sees its batches) and 359 validation items (odd: a split in equal parts must pad or drop); batch 64 per process
+(with `split_batches=True`, 64 over the 2 processes), 4 epochs of Adam at a constant lr 1e-3 without weight decay
+(torch's in the loop and fastai v1, fastai's in v2), rates taken in the last epoch. One process is the loop or plain
+fastai of the same version (ddipp's `to_ddp()` does nothing in a plain process); ddipp in notebook mode is
+`to_ddp(nprocs=2)` called in a plain process.
 
 fastai's own DDP needs CUDA where ddipp does not; on CPU: fastai v1's `DistributedTrainer` is given a DDP without
 `device_ids` (it passes `device_ids=[cuda_id]`, which a CPU model refuses) and its process group is started with
@@ -27,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = {1: ROOT / ".venv" / "bin" / "python", 2: ROOT / ".venv2" / "bin" / "python"}
-BS, EPOCHS, LR, ROUNDS, N_VALID = 64, 2, 1e-3, 3, 359
+BS, EPOCHS, LR, ROUNDS, N_VALID = 64, 4, 1e-3, 3, 359
 WIDTHS = {"small": (16, 32, 64), "compute-bound": (32, 64, 128)}  # 4x the multiply-adds, 4x the gradient
 RUNNERS = {  # name: (fastai version of its virtualenv, how 2 processes start, the runner of its 1 process)
     "torch DDP loop": (1, "torchrun", "torch DDP loop"),
@@ -37,6 +40,8 @@ RUNNERS = {  # name: (fastai version of its virtualenv, how 2 processes start, t
     "fastai v2 distrib_ctx": (2, "torchrun", "fastai v2"),
     "ddipp launched, fastai v2": (2, "ddipp.launch", "fastai v2"),
     "ddipp notebook, fastai v2": (2, "notebook", "fastai v2"),
+    "ddipp notebook, fastai v1, split_batches": (1, "notebook", "fastai v1"),
+    "ddipp notebook, fastai v2, split_batches": (2, "notebook", "fastai v2"),
 }
 SINGLE = {"torch DDP loop": 1, "fastai v1": 1, "fastai v2": 2}  # the 1-process runners: fastai version
 
@@ -48,7 +53,8 @@ def digits():
     x = torch.tensor(d.data / 16, dtype=torch.float32).view(-1, 1, 8, 8)
     x = x.repeat_interleave(4, 2).repeat_interleave(4, 3).expand(-1, 3, -1, -1).contiguous()
     y = torch.tensor(d.target)
-    return (x[N_VALID:].repeat(3, 1, 1, 1), y[N_VALID:].repeat(3)), (x[:N_VALID], y[:N_VALID])
+    order = torch.randperm(3 * (len(y) - N_VALID), generator=torch.Generator().manual_seed(1))
+    return (x[N_VALID:].repeat(3, 1, 1, 1)[order], y[N_VALID:].repeat(3)[order]), (x[:N_VALID], y[:N_VALID])
 
 
 def cnn(widths):
@@ -57,27 +63,30 @@ def cnn(widths):
     torch.manual_seed(0)
     a, b, c = widths
     return nn.Sequential(nn.Conv2d(3, a, 3, padding=1), nn.ReLU(), nn.Conv2d(a, b, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.Conv2d(b, c, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(c, 10))
+                         nn.Conv2d(b, c, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+                         nn.Linear(16 * c, 10))
 
 
 class Probe:
-    """What a process measures: the time of its first step, its training items and their time in the last epoch, the
-    validation items its model evaluates per epoch."""
+    """What a process measures: the time of its first step, the training items its model takes and their time in the
+    last epoch, the validation items its model evaluates per epoch."""
 
     def __init__(self, model):
-        self.first_step, self.items, self.seconds, self.valid_items = None, 0, 0.0, 0
+        self.first_step, self.items, self.step_items, self.seconds, self.valid_items = None, 0, 0, 0.0, 0
         model.register_forward_hook(self._count)
 
     def _count(self, module, args, output):
-        if not module.training:
+        if module.training:
+            self.step_items += args[0].shape[0]
+        else:
             self.valid_items += args[0].shape[0]
 
-    def step_done(self, epoch: int, n: int, started: float) -> None:
-        """A training step of `n` items in `epoch`, which began at `started` (time.perf_counter)."""
+    def step_done(self, epoch: int, started: float) -> None:
+        """A training step in `epoch`, which began at `started` (time.perf_counter)."""
         self.first_step = self.first_step or time.time()
         if epoch == EPOCHS - 1:
-            self.items, self.seconds = self.items + n, time.perf_counter() - started
+            self.items, self.seconds = self.items + self.step_items, time.perf_counter() - started
+        self.step_items = 0
 
     def result(self, accuracy: float) -> dict:
         return dict(first_step=self.first_step, items=self.items, seconds=self.seconds,
@@ -104,9 +113,9 @@ def torch_loop(widths, out: Path) -> None:
     model = cnn(widths)
     probe = Probe(model)
     train, valid = TensorDataset(xt, yt), TensorDataset(xv, yv)
-    ts = DistributedSampler(train, shuffle=True, seed=0, drop_last=True) if launched else None
+    ts = DistributedSampler(train, shuffle=False, drop_last=True) if launched else None
     vs = DistributedSampler(valid, shuffle=False) if launched else None
-    tl = DataLoader(train, BS, sampler=ts, shuffle=not launched, drop_last=True)
+    tl = DataLoader(train, BS, sampler=ts, drop_last=True)
     vl = DataLoader(valid, BS, sampler=vs)
     net = torch.nn.parallel.DistributedDataParallel(model) if launched else model
     opt = torch.optim.Adam(net.parameters(), lr=LR)
@@ -121,7 +130,7 @@ def torch_loop(widths, out: Path) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            probe.step_done(epoch, len(y), started)
+            probe.step_done(epoch, started)
         net.eval()
         correct = torch.zeros(2)
         with torch.no_grad():
@@ -144,8 +153,9 @@ def fastai_learner(version: int, widths, out: Path):
         from fastai.basic_data import DataBunch
         from fastai.basic_train import Learner, LearnerCallback
         from fastai.metrics import accuracy
-        from torch.utils.data import TensorDataset
-        data = DataBunch.create(TensorDataset(xt, yt), TensorDataset(xv, yv), bs=BS, num_workers=0, device="cpu")
+        from torch.utils.data import DataLoader, TensorDataset
+        data = DataBunch(DataLoader(TensorDataset(xt, yt), BS, drop_last=True), DataLoader(TensorDataset(xv, yv), BS),
+                         device="cpu")
         learn = Learner(data, model, loss_func=nn.CrossEntropyLoss(), metrics=[accuracy], opt_func=torch.optim.Adam,
                         wd=0, true_wd=False, bn_wd=False)
 
@@ -153,9 +163,9 @@ def fastai_learner(version: int, widths, out: Path):
             def on_epoch_begin(self, epoch, **kwargs):
                 self.epoch, self.started = epoch, time.perf_counter()
 
-            def on_batch_end(self, train, last_target, **kwargs):
+            def on_batch_end(self, train, **kwargs):
                 if train:
-                    probe.step_done(self.epoch, len(last_target), self.started)
+                    probe.step_done(self.epoch, self.started)
 
             def on_train_end(self, **kwargs):
                 probe.write(out, float(self.learn.recorder.metrics[-1][0]))
@@ -168,7 +178,7 @@ def fastai_learner(version: int, widths, out: Path):
     from fastai.metrics import accuracy
     from fastai.optimizer import Adam
     from torch.utils.data import TensorDataset
-    dls = DataLoaders(DataLoader(TensorDataset(xt, yt), bs=BS, shuffle=True, drop_last=True),
+    dls = DataLoaders(DataLoader(TensorDataset(xt, yt), bs=BS, drop_last=True),
                       DataLoader(TensorDataset(xv, yv), bs=BS), device="cpu")
 
     class Timing(Callback):
@@ -177,7 +187,7 @@ def fastai_learner(version: int, widths, out: Path):
 
         def after_batch(self):
             if self.training:
-                probe.step_done(self.epoch, len(self.yb[0]), self.started)
+                probe.step_done(self.epoch, self.started)
 
         def after_fit(self):
             probe.write(out, float(self.learn.recorder.values[-1][2]))
@@ -208,7 +218,7 @@ def fastai_run(runner: str, widths, out: Path) -> None:
     if runner.startswith("ddipp launched"):
         learn = learn.to_ddp()
     if runner.startswith("ddipp notebook"):
-        learn = learn.to_ddp(nprocs=2)
+        learn = learn.to_ddp(nprocs=2, split_batches=runner.endswith("split_batches"))
     learn.fit(EPOCHS, LR)
 
 
@@ -299,6 +309,19 @@ def table(runs: dict) -> str:
     return "\n".join(rows)
 
 
+def split_against_one(runs: dict) -> str:
+    """Each split_batches row's median accuracy beside its one process's, in validation items apart."""
+    said = []
+    for workload in WIDTHS:
+        for runner, (_, _, single) in RUNNERS.items():
+            if runner.endswith("split_batches"):
+                keys = f"{runner}|{workload}|2", f"{single}|{workload}|1"
+                split, one = (median(runs[key], "accuracy") for key in keys)
+                said.append(f"- {workload}, {single}: {split:.4f} split over 2 processes, {one:.4f} in one "
+                            f"({round(abs(split - one) * N_VALID)} validation items apart)")
+    return "\n".join(said)
+
+
 def _crashes(runs: dict) -> str:
     """A line on the runs whose processes wrote their results and then crashed while exiting, if any."""
     crashed = [f"{key.replace('|', ', ')} process(es): {sum(r['exit_code'] != 0 for r in got)} of {len(got)} runs"
@@ -316,7 +339,8 @@ def plot(runs: dict, path: Path) -> None:
     for ax, workload in zip(axes, WIDTHS):
         got = [rates(runs[f"{r}|{workload}|{p}"]) for _, r, p in bars]
         ax.bar(range(len(bars)), [m for m, _, _ in got],
-               color=["tab:gray" if p == 1 else "tab:blue" for _, _, p in bars], yerr=[[m - low for m, low, _ in got], [high - m for m, _, high in got]], capsize=3)
+               color=["tab:gray" if p == 1 else "tab:blue" for _, _, p in bars],
+               yerr=[[m - low for m, low, _ in got], [high - m for m, _, high in got]], capsize=3)
         ax.set_xticks(range(len(bars)), [name for name, _, _ in bars], rotation=35, ha="right", fontsize=7)
         ax.set_title(f"{workload} CNN: samples/s (median and range of {ROUNDS})")
     fig.tight_layout()
@@ -349,9 +373,11 @@ torch loop: samples/s over the torch loop's on 2 processes. Scaling efficiency: 
 that of the 1-process row of its kind (the loop, or plain fastai of its version). Call → first step: from
 starting the command to the first training step of any rank (interpreter, imports, group or workers, data). Peak RSS:
 the largest rank's (for notebook mode, a worker's). Validation items counted: the items the models' forward passes
-evaluated in the last validation, all ranks together. Final accuracy, after {EPOCHS} short epochs: that each runner
-trains, not a ranking (2 processes take half the steps of one with twice the batch; the loop and fastai v1's
-DistributedTrainer draw the same DistributedSampler order, so they agree; ddipp draws its own).
+evaluated in the last validation, all ranks together. Final accuracy, after {EPOCHS} epochs: 2 processes at a batch
+of {BS} each take half the steps of one process with twice its batch, so they end elsewhere; a `split_batches` row
+takes one process's steps on one process's batches and ends at its accuracy:
+
+{split_against_one(runs)}
 
 {table(runs)}
 {_crashes(runs)}
