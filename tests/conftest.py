@@ -82,9 +82,9 @@ def launch_2_ranks(script: Path, out: Path, nproc: int = 2) -> None:
 
 
 def launch_restartable(script: Path, out: Path, mode: str) -> str:
-    """Run `script OUT MODE` under ddipp's launcher on 2 CPU processes with --max-restarts 3; rank 0's output."""
+    """Run `script OUT MODE` under ddipp's launcher on 2 CPU processes with --max-restarts 5; rank 0's output."""
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--max-restarts", "3", "--timeout",
+    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--max-restarts", "5", "--timeout",
                            "60", str(script), str(out), mode], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return proc.stdout

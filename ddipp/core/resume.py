@@ -38,9 +38,10 @@ class Plan:
     """What a fit of a restarted script does: "run" it from the start (a fit after the file's), "fresh" likewise (the
     file is not this launch's: nothing to resume), "skip" it (a fit the run finished: the state it led to is loaded
     later), or "resume" after `epoch` epochs (a fit the restart cut, or finished: then every epoch is skipped and the
-    state it ended with loaded)."""
+    state it ended with loaded), and `step` batches of the next when the file was written mid-epoch (every_steps)."""
     action: str
     epoch: int = 0
+    step: int = 0
 
 
 def plan(saved: Optional[dict], fit: dict, n_epochs: int, size: int, file: Path) -> Plan:
@@ -61,7 +62,7 @@ def plan(saved: Optional[dict], fit: dict, n_epochs: int, size: int, file: Path)
                          f"set of size {saved['size']}, and the restarted script's fit {fit['fit']} has {n_epochs} "
                          f"over {size}: a restarted script must run the same fits (are its data or epochs drawn at "
                          "random?)")
-    return Plan("resume", saved["epoch"])
+    return Plan("resume", saved["epoch"], saved.get("step", 0))
 
 
 def say(plan: Plan, fit: int, file: Path) -> Optional[str]:
@@ -72,5 +73,10 @@ def say(plan: Plan, fit: int, file: Path) -> Optional[str]:
     if plan.action == "skip":
         return f"{head} finished before the restart: skipped (a later fit loads what it trained)"
     if plan.action == "resume":
-        return f"{head} resumed after epoch {plan.epoch} from {file}"
+        return f"{head} resumed after {progress(plan.epoch, plan.step)} from {file}"
     return f"{head} starts from scratch (no checkpoint of this launch in {file})"
+
+
+def progress(epoch: int, step: int) -> str:
+    """How far a checkpoint's fit went: `epoch` epochs and `step` batches of the next, in words."""
+    return f"epoch {epoch}" + (f" and {step} batches of epoch {epoch + 1}" if step else "")

@@ -3,11 +3,13 @@ from pathlib import Path
 
 import torch
 from fastai.basic_train import Learner, LearnerCallback, Recorder
+from fastai.callback import Callback
 from fastai.core import defaults
+from fastai.train import AccumulateScheduler
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import check_keep, read_checkpoint, write_checkpoint
+from ..core.checkpoint import FromBatch, check_every_steps, check_keep, read_checkpoint, write_checkpoint
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit
@@ -15,20 +17,26 @@ from .state import load_opt_state_dict, opt_state_dict
 
 
 class Checkpoint(LearnerCallback):
-    """After every epoch rank 0 writes `{model_dir}/{name}.pth` atomically; a fit started at `start_epoch` reads it.
+    """After every epoch (and every `every_steps` training batches) rank 0 writes `{model_dir}/{name}.pth`
+    atomically; a fit started at `start_epoch` reads it.
 
-    The file holds the model, the optimizer state, the epoch and iteration reached, every rank's RNG states and
-    ddipp's shuffle seed. Resume with fastai's own argument: `learn.fit_one_cycle(4, lr, start_epoch=2)` loads the
+    The file holds the model, the optimizer state, the epoch (and batch) and iteration reached, every rank's RNG states
+    and ddipp's shuffle seed. Resume with fastai's own argument: `learn.fit_one_cycle(4, lr, start_epoch=2)` loads the
     state written after epoch 2 (fastai's `jump_to_epoch`) and runs epochs 2 and 3 of the same schedule. In a launched
     script that torch elastic restarted (`--max-restarts`), a fit given a Checkpoint (in `callbacks` or
     `learn.callbacks`) resumes by itself (ddipp.core.resume): a launched learner's `fit` skips the fits the run
-    finished, and the one the restart cut resumes after its last epoch written."""
+    finished, and the one the restart cut resumes where its file left it (a file written after batch k of an epoch
+    goes on at batch k: the batches before it are read and dropped, the schedules stepped past them)."""
     _order = -1  # its jump_to_epoch loads the optimizer before the schedulers (order 0) jump to their position
 
-    def __init__(self, learn: Learner, name: str = "checkpoint", keep: int = 1):
+    def __init__(self, learn: Learner, name: str = "checkpoint", keep: int = 1, every_steps: int = None):
         super().__init__(learn)
         self.path = Path(learn.path) / learn.model_dir / f"{name}.pth"
         self.keep = check_keep(keep)  # the files that stay: name.pth, name.1.pth, ...
+        self.every_steps = check_every_steps(every_steps)
+        self.fit_callbacks = []  # the fit's callbacks, as a launched learner's fit tells them (their schedules jump)
+        self.from_batch, self.start_rngs, self.step_rngs = 0, None, None  # the epoch a mid-epoch file resumes
+        self.epoch_rngs, self.due = None, False
         self.identity = None  # this fit's (ddipp.core.resume.next_fit), from its start to its end
         self.plan = resume.Plan("run")  # what this fit of a restarted script does
         self.saved = None  # the file's state a restarted fit resumes from, read once by skips()
@@ -62,33 +70,89 @@ class Checkpoint(LearnerCallback):
             return None
         if self.identity is None:
             self.identity, self.n_epochs = resume.next_fit(), n_epochs
-        return {"epoch": self.plan.epoch} if self.plan.action == "resume" else None  # fastai calls jump_to_epoch
+        if self.plan.action != "resume":
+            return None
+        if self.plan.epoch == 0:  # a file written in the first epoch: fastai jumps to no epoch
+            self.jump_to_epoch(0)
+        return {"epoch": self.plan.epoch, "iteration": self.saved["iteration"]}  # fastai calls jump_to_epoch
+
+    def on_epoch_begin(self, **kwargs):
+        if not self.from_batch:
+            self.epoch_rngs = rng_state()  # what a file written in this epoch starts it with
+            return None
+        # a mid-epoch file's epoch starts as it started; its batches before the file's are read and dropped, the
+        # schedules stepped past them (as fastai's jump_to_epoch steps them past whole epochs)
+        if self.start_rngs is not None:
+            set_rng_state(self.start_rngs)
+        self.epoch_rngs = rng_state()
+        self.learn.data.train_dl = FromBatch(self.learn.data.train_dl, self.from_batch, self._set_step_rngs)
+        for cb in self.fit_callbacks:
+            if type(cb).jump_to_epoch is not Callback.jump_to_epoch and cb is not self:
+                for _ in range(self.from_batch):
+                    cb.on_batch_end(train=True)
+        ddp = distributed_fit(self.learn)
+        if ddp is not None:
+            ddp.train_batch = self.from_batch
+        return {"num_batch": self.from_batch}
+
+    def _set_step_rngs(self) -> None:
+        if self.step_rngs is not None:
+            set_rng_state(self.step_rngs)
+
+    def on_batch_end(self, train: bool, epoch: int, num_batch: int, iteration: int, **kwargs):
+        if not (self.every_steps and train and self.identity is not None):
+            return
+        self.due = self.due or (iteration + 1) % self.every_steps == 0  # fastai counts this batch after its callbacks
+        accumulating = getattr(self.learn, "accumulate_scheduler", None)
+        if isinstance(accumulating, AccumulateScheduler) and accumulating.acc_batches % accumulating.n_step:
+            return  # gradients it has not stepped with: no state to write
+        if self.due and num_batch + 1 < len(self.learn.data.train_dl):  # the epoch's end writes anyway
+            self._write(epoch, num_batch + 1, iteration + 1)
 
     def on_epoch_end(self, epoch: int, iteration: int, **kwargs):
-        rngs = every_rank(rng_state())  # a collective: every rank takes part, rank 0 writes
-        if ddist.is_rank0():
-            write_checkpoint(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
-                                  epoch=epoch + 1, iteration=iteration, rngs=rngs, shuffle_seed=self._sampler_seed(),
-                                  recorder=_recorded(self.learn.recorder), smoothed=self._smoothed(), **self.identity,
-                                  n_epochs=self.n_epochs, size=len(self.learn.data.train_ds)),
-                             self.path, self.keep)
+        if isinstance(self.learn.data.train_dl, FromBatch):
+            self.learn.data.train_dl = self.learn.data.train_dl.dl
+            self.from_batch = 0
+        self._write(epoch + 1, 0, iteration)
         if self.plan.action == "resume" and epoch + 1 >= self.n_epochs:  # a plain fit has no schedule that stops it
             return {"stop_training": True}
         return None
 
+    def _write(self, epoch: int, step: int, iteration: int) -> None:
+        """The state after `epoch` epochs and `step` batches of the next (with that epoch's starting generators)."""
+        self.due = False
+        rngs = every_rank([rng_state(), self.epoch_rngs if step else None])  # a collective; rank 0 writes
+        if ddist.is_rank0():
+            write_checkpoint(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
+                                  epoch=epoch, step=step, iteration=iteration, rngs=rngs,
+                                  shuffle_seed=self._sampler_seed(), recorder=_recorded(self.learn.recorder),
+                                  smoothed=self._smoothed(), **self.identity, n_epochs=self.n_epochs,
+                                  size=len(self.learn.data.train_ds)),
+                             self.path, self.keep)
+
     def on_train_end(self, **kwargs) -> None:
+        if isinstance(self.learn.data.train_dl, FromBatch):  # a fit that ended in its resumed epoch
+            self.learn.data.train_dl = self.learn.data.train_dl.dl
         self.identity, self.plan, self.saved = None, resume.Plan("run"), None
+        self.from_batch, self.fit_callbacks = 0, []
 
     def jump_to_epoch(self, epoch: int) -> None:
         self._load(self.saved if self.plan.action == "resume" else read_checkpoint(self.path, epoch))
 
     def _load(self, state: dict) -> None:
         """`state`, read from the file, into the model, the optimizer, the generators and the recorder."""
+        if state.get("step") and not self.fit_callbacks:
+            raise ValueError(f"{self.path} holds the state after {resume.progress(state['epoch'], state['step'])}: a "
+                             "learner made with to_ddp() resumes it in the middle of an epoch (its fit steps the "
+                             "schedules past the batches before it)")
         load_model_state(self.learn.model, state["model"])
         load_opt_state_dict(self.learn, state["opt"])
         rngs = this_rank(state["rngs"], self.path)
-        if rngs is not None:
-            set_rng_state(rngs)
+        if state.get("step"):  # written mid-epoch: on_epoch_begin starts that epoch as it started, at batch `step`
+            self.from_batch = state["step"]
+            self.start_rngs, self.step_rngs = (None, None) if rngs is None else (rngs[1], rngs[0])
+        elif rngs is not None:
+            set_rng_state(rngs[0])
         if state["shuffle_seed"] is not None and self._sampler_seed() is not None:
             distributed_fit(self.learn).train_sampler.seed = state["shuffle_seed"]
         for name, recorded in state.get("recorder", {}).items():  # the epochs before this one, once each

@@ -99,8 +99,11 @@ def _validate(self, dl=None, callbacks=None, metrics=None):
 @wraps(Learner.fit)
 def _fit(self, epochs, lr=defaults.lr, wd=None, callbacks=None):
     # After torch elastic restarted the group, a fit with a Checkpoint that the run finished is skipped, and its state
-    # loaded when the Checkpoint's file is its (ddipp.core.resume); any other fit is fastai's.
+    # loaded when the Checkpoint's file is its (ddipp.core.resume); any other fit is fastai's. A Checkpoint is told
+    # the fit's callbacks: a file written mid-epoch resumes with their schedules stepped past the batches before it.
     checkpoints = [cb for cb in listify(callbacks) + listify(self.callbacks) if isinstance(cb, Checkpoint)]
+    for checkpoint in checkpoints:
+        checkpoint.fit_callbacks = listify(callbacks) + listify(self.callbacks)
     if checkpoints and restart_count() > 0 and checkpoints[0].skips(epochs):
         return None
     return type(self).fit(self, epochs, lr, wd, callbacks)

@@ -6,13 +6,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from fastai.callback.core import Callback, CancelFitException
+from fastai.callback.training import GradientAccumulation
 from fastai.learner import SkipToEpoch
 from fastai.torch_core import to_device
 from fastcore.foundation import L
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import check_keep, read_checkpoint, write_checkpoint
+from ..core.checkpoint import FromBatch, check_every_steps, check_keep, read_checkpoint, write_checkpoint
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit
@@ -20,19 +21,23 @@ from .state import load_opt_state_dict, opt_state_dict
 
 
 class Checkpoint(Callback):
-    """After every epoch rank 0 writes `{path}/{model_dir}/{name}.pth` atomically; a fit with `start_epoch` reads it.
+    """After every epoch (and every `every_steps` training batches) rank 0 writes `{path}/{model_dir}/{name}.pth`
+    atomically; a fit with `start_epoch` reads it.
 
-    The file holds the model, the optimizer state, the epoch reached, the training iteration and smoothed loss, every
-    rank's random generator states (the training loader's own included) and ddipp's shuffle seed. Resume with fastai's
-    own argument: `learn.fit_one_cycle(4, lr, start_epoch=2)` skips epochs 0 and 1 (fastai's SkipToEpoch), loads the
-    state written after those 2 epochs as epoch 2 begins, and runs epochs 2 and 3 of the same schedule. In a launched
-    script that torch elastic restarted (`--max-restarts`), each fit resumes by itself (ddipp.core.resume): the fits the
-    run finished are skipped, the one the restart cut resumes after its last epoch written, with its recorder."""
+    The file holds the model, the optimizer state, the epoch (and batch) reached, the training iteration and smoothed
+    loss, the recorder, every rank's random generator states (the training loader's own included) and ddipp's shuffle
+    seed. Resume with fastai's own argument: `learn.fit_one_cycle(4, lr, start_epoch=2)` skips epochs 0 and 1
+    (fastai's SkipToEpoch), loads the state written after those 2 epochs as epoch 2 begins (or after batch k of epoch 2:
+    it goes on at batch k, the batches before it read and dropped), and runs the rest of the same schedule. In a
+    launched script that torch elastic restarted (`--max-restarts`), each fit resumes by itself (ddipp.core.resume):
+    the fits the run finished are skipped, the one the restart cut resumes where its file left it."""
     order = SkipToEpoch.order + 1  # its before_epoch runs only for the epochs SkipToEpoch lets run
 
-    def __init__(self, name: str = "checkpoint", keep: int = 1):
+    def __init__(self, name: str = "checkpoint", keep: int = 1, every_steps: int = None):
         self.file_name, self.keep = f"{name}.pth", check_keep(keep)  # keep: the files that stay (name.1.pth, ...)
+        self.every_steps = check_every_steps(every_steps)
         self.skipping = None  # the SkipToEpoch a restarted fit added, until its end
+        self.from_batch, self.pct_train, self.start_rngs, self.step_rngs = 0, None, None, None  # a mid-epoch file's
 
     @property
     def file(self) -> Path:
@@ -43,8 +48,12 @@ class Checkpoint(Callback):
         self.run = self.learn.create_mbar and not hasattr(self.learn, "lr_finder")
         self.after_fit()  # a SkipToEpoch a fit that raised left
         self.resuming = any(isinstance(cb, SkipToEpoch) for cb in self.learn.cbs)  # fit(..., start_epoch=k), k > 0
-        self.epoch_ran, self.saved = False, None
+        self.epoch_ran, self.saved, self.due, self.from_batch = False, None, False, 0
         self.identity = resume.next_fit() if self.run else None
+        if self.run and self.every_steps and self.learn.recorder.train_metrics:
+            raise ValueError(f"Checkpoint(every_steps={self.every_steps}) cannot resume the training metrics of "
+                             "Recorder(train_metrics=True) in the middle of an epoch: drop every_steps, or "
+                             "train_metrics")
         if self.run and not self.resuming and resume.restart_count() > 0:
             self._resume_by_itself()
 
@@ -71,6 +80,33 @@ class Checkpoint(Callback):
             self.resuming = False
             self._load(self.saved)
 
+    def before_train(self):
+        if self.from_batch:  # a mid-epoch file's epoch starts as it started; its batches before the file's are dropped
+            self._set_rngs(self.start_rngs)
+            self.learn.pct_train = self.pct_train
+            self.learn.dl = FromBatch(self.learn.dl, self.from_batch, lambda: self._set_rngs(self.step_rngs))
+        self.epoch_rngs = [rng_state(), _loader_rng(self.learn)]  # what a file written in this epoch starts it with
+
+    def _set_rngs(self, rngs) -> None:
+        """This rank's generators and the training loader's as `rngs` ([rng_state(), _loader_rng()]) has them."""
+        if rngs is not None:
+            set_rng_state(rngs[0])
+            _set_loader_rng(self.learn, rngs[1])
+
+    def before_batch(self):
+        if self.training and self.from_batch:
+            self.learn.iter += self.from_batch  # fastai counts from 0 in the batches FromBatch yields
+
+    def after_batch(self):
+        if not (self.every_steps and self.run and self.training):
+            return
+        self.due = self.due or self.learn.train_iter % self.every_steps == 0
+        if self.due and self.iter + 1 < self.n_iter and not _accumulating(self.learn):  # the epoch's end writes anyway
+            self._write(self.epoch, self.iter + 1)
+
+    def after_train(self):
+        self.from_batch, self.step_rngs = 0, None
+
     def after_fit(self):
         if self.skipping is not None:
             self.learn.remove_cb(self.skipping)
@@ -79,14 +115,20 @@ class Checkpoint(Callback):
     def after_epoch(self):
         if not self.epoch_ran:  # skipped by SkipToEpoch: the model is not that of this epoch's end
             return
-        rngs = every_rank([rng_state(), _loader_rng(self.learn)])  # a collective: every rank takes part, rank 0 writes
+        self._write(self.epoch + 1, 0)
+
+    def _write(self, epoch: int, step: int) -> None:
+        """The state after `epoch` epochs and `step` batches of the next (with that epoch's starting generators)."""
+        self.due = False
+        # a collective: every rank takes part, rank 0 writes
+        rngs = every_rank([rng_state(), _loader_rng(self.learn), self.epoch_rngs if step else None])
         if ddist.is_rank0():
             recorder = self.learn.recorder
             smooth = recorder.smooth_loss
             write_checkpoint(_plain(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
-                                    epoch=self.epoch + 1, train_iter=self.learn.train_iter,
-                                    smooth_loss=[smooth.count, smooth.val], rngs=rngs,
-                                    shuffle_seed=self._shuffle_seed(),
+                                    epoch=epoch, step=step, train_iter=self.learn.train_iter,
+                                    pct_train=self.learn.pct_train, smooth_loss=[smooth.count, smooth.val],
+                                    rngs=rngs, shuffle_seed=self._shuffle_seed(),
                                     recorder=dict(values=recorder.values, losses=recorder.losses, lrs=recorder.lrs,
                                                   iters=recorder.iters),
                                     **self.identity, n_epochs=self.learn.n_epoch, size=len(self.learn.dls.train))),
@@ -104,9 +146,11 @@ class Checkpoint(Callback):
         for name, recorded in state.get("recorder", {}).items():  # the epochs before this one, once each
             setattr(recorder, name, list(recorded))
         rngs = this_rank(state["rngs"], self.file)
-        if rngs is not None:
-            set_rng_state(rngs[0])
-            _set_loader_rng(self.learn, rngs[1])
+        if state.get("step"):  # written mid-epoch: the epoch starts as it started, and goes on at its batch `step`
+            self.from_batch, self.pct_train, self.step_rngs = state["step"], state["pct_train"], rngs
+            self.start_rngs = None if rngs is None else rngs[2]
+        else:
+            self._set_rngs(rngs)
         ddp = distributed_fit(self.learn)
         if ddp is not None and state["shuffle_seed"] is not None:
             ddp.shard.order.seed = state["shuffle_seed"]
@@ -115,6 +159,11 @@ class Checkpoint(Callback):
         """The seed ddipp draws this fit's training order with, when the fit is distributed."""
         ddp = distributed_fit(self.learn)
         return ddp.shard.order.seed if ddp is not None else None
+
+
+def _accumulating(learn) -> bool:
+    """True while a GradientAccumulation holds gradients it has not stepped with (no state to write then)."""
+    return any(isinstance(cb, GradientAccumulation) and cb.count for cb in learn.cbs)
 
 
 def _loader_rng(learn):

@@ -45,6 +45,12 @@ def test_the_lines_say_what_happened(monkeypatch):
     assert resume.say(resume.Plan("skip"), 1, FILE) == ("ddipp: restart 1: fit 1 finished before the restart: skipped "
                                                        "(a later fit loads what it trained)")
     assert resume.say(resume.Plan("run"), 3, FILE) is None
+    assert resume.say(resume.Plan("resume", 1, 10), 4, FILE) == ("ddipp: restart 1: fit 4 resumed after epoch 1 and "
+                                                                "10 batches of epoch 2 from models/checkpoint.pth")
+
+
+def test_a_file_written_mid_epoch_resumes_after_its_batches():
+    assert resume.plan(dict(saved(2, 1), step=10), identity(2), 4, 20, FILE) == resume.Plan("resume", 1, 10)
 
 
 def test_the_run_id_of_a_multi_node_launch_names_no_run(monkeypatch):

@@ -47,6 +47,15 @@ def test_keep_leaves_the_checkpoints_before_the_last(tmp_path):
     assert saved == {"kept.pth": 3, "kept.1.pth": 2}
 
 
+def test_a_plain_fit_refuses_a_file_written_mid_epoch_naming_what_resumes_it(tmp_path):
+    learn = ckpt_learner(tmp_path)
+    (tmp_path / "models").mkdir(exist_ok=True)
+    save_atomic(dict(epoch=1, step=3), tmp_path / "models" / "cut.pth")
+    with pytest.raises(ValueError, match=r"cut\.pth holds the state after epoch 1 and 3 batches of epoch 2: a learner "
+                                         r"made with to_ddp\(\) resumes it in the middle of an epoch"):
+        learn.fit_one_cycle(3, 1e-2, start_epoch=1, callbacks=[ddipp.Checkpoint(learn, name="cut")])
+
+
 def test_resume_in_one_process(tmp_path):
     res = resume_story(tmp_path)
     assert res["saved_epoch"] == 2
@@ -134,13 +143,16 @@ def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_sto
     launch_restartable(worker, tmp_path / "whole", "whole")
     for r in range(2):
         killed, whole = (torch.load(tmp_path / run / f"rank{r}.pt", weights_only=False) for run in ("killed", "whole"))
-        assert (killed["restarts"], whole["restarts"]) == (3, 0)
+        assert (killed["restarts"], whole["restarts"]) == (5, 0)
         assert max_diff(killed["params"], whole["params"]) <= 1e-6
-        assert [len(killed["histories"][f]["val_losses"]) for f in (2, 3)] == [4, 1]  # each epoch once
-        assert close(killed["histories"][2], whole["histories"][2], tol=1e-6)  # fit 2: its end state loaded
-        assert close(killed["histories"][3], whole["histories"][3], tol=1e-6)
+        assert [len(killed["histories"][f]["val_losses"]) for f in (3, 4)] == [1, 3]  # each epoch once
+        assert len(killed["histories"][4]["losses"]) == 3 * 44  # each batch once
+        for f in (3, 4):  # fit 3: its end state loaded (the last restart skipped fits 1 and 2)
+            assert close(killed["histories"][f], whole["histories"][f], tol=1e-6)
     models = tmp_path / "killed" / "work" / "models"
     assert f"ddipp: restart 1: fit 1 starts from scratch (no checkpoint of this launch in {models}" in said
     assert "ddipp: restart 2: fit 1 finished before the restart: skipped" in said
     assert f"ddipp: restart 2: fit 2 resumed after epoch 2 from {models}" in said
     assert f"ddipp: restart 3: fit 2 resumed after epoch 4 from {models}" in said  # finished: its end state loaded
+    assert f"ddipp: restart 4: fit 4 resumed after epoch 0 and 12 batches of epoch 1 from {models}" in said
+    assert f"ddipp: restart 5: fit 4 resumed after epoch 1 and 10 batches of epoch 2 from {models}" in said

@@ -7,6 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from fastai.callback.core import Callback
+from fastai.callback.training import GradientAccumulation
 from fastai.data.block import CategoryBlock, DataBlock
 from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
@@ -70,7 +72,7 @@ def test_a_start_epoch_without_its_checkpoint_is_refused_with_the_epoch_to_pass(
     with pytest.raises(FileNotFoundError, match="start_epoch=1: no checkpoint at .*run.pth; fit from the start"):
         learn.fit(2, 1e-2, start_epoch=1, cbs=ddipp.Checkpoint(name="run"))
     learn.fit(1, 1e-2, cbs=ddipp.Checkpoint(name="run"))
-    with pytest.raises(ValueError, match="start_epoch=2, but .*run.pth holds the state after 1 epochs; "
+    with pytest.raises(ValueError, match="start_epoch=2, but .*run.pth holds the state after epoch 1; "
                                          "pass start_epoch=1"):
         ckpt_learner(tmp_path).fit(3, 1e-2, start_epoch=2, cbs=ddipp.Checkpoint(name="run"))
 
@@ -148,6 +150,33 @@ def test_a_fit_stopped_after_epoch_2_resumes_in_a_plain_process_to_the_weights_o
     assert max_diff(params(resumed), params(whole)) == 0
 
 
+class Batches(Callback):
+    """The (epoch, iter) of each training batch of a fit."""
+    def before_fit(self):
+        self.seen = []
+
+    def after_batch(self):
+        if self.training:
+            self.seen.append((self.epoch, self.iter))
+
+
+@pytest.mark.parametrize("make", [tensor_learner, image_learner, data_block_learner, tabular_ckpt_learner])
+def test_a_fit_stopped_mid_epoch_resumes_at_the_next_batch_to_the_weights_and_recorder_of_the_whole_fit(tmp_path, make):
+    def fresh(seed: int) -> Learner:
+        seed_all(seed)
+        return make(tmp_path)
+    whole, whole_batches = fresh(0), Batches()
+    whole.fit_one_cycle(3, 1e-2, cbs=[ddipp.Checkpoint(name="whole"), whole_batches])
+    fresh(0).fit_one_cycle(3, 1e-2, cbs=[ddipp.Checkpoint(name="cut", every_steps=1), StopAt(1, batch=1)])
+    assert torch.load(tmp_path / "models" / "cut.pth", weights_only=True)["step"] == 2
+    resumed, resumed_batches = fresh(1), Batches()
+    resumed.fit_one_cycle(3, 1e-2, start_epoch=1, cbs=[ddipp.Checkpoint(name="cut", every_steps=1), resumed_batches])
+    assert max_diff(params(resumed), params(whole)) == 0
+    assert resumed_batches.seen == whole_batches.seen[whole_batches.seen.index((1, 2)):]  # fastai's iter goes on
+    assert (resumed.recorder.losses, resumed.recorder.lrs) == (whole.recorder.losses, whole.recorder.lrs)
+    assert [row[:2] for row in resumed.recorder.values] == [row[:2] for row in whole.recorder.values]
+
+
 @pytest.mark.slow
 def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_stopped(tmp_path):
     worker = Path(__file__).parent / "workers" / "restart_worker.py"
@@ -155,13 +184,40 @@ def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_sto
     launch_restartable(worker, tmp_path / "whole", "whole")
     for r in range(2):
         killed, whole = (torch.load(tmp_path / run / f"rank{r}.pt", weights_only=False) for run in ("killed", "whole"))
-        assert (killed["restarts"], whole["restarts"]) == (3, 0)
+        assert (killed["restarts"], whole["restarts"]) == (5, 0)
         assert max_diff(killed["params"], whole["params"]) <= 1e-6
-        assert [len(killed["histories"][f]["values"]) for f in (2, 3)] == [4, 1]  # each epoch once
-        assert close(killed["histories"][2], whole["histories"][2], tol=1e-6)  # fit 2: its end state loaded
-        assert close(killed["histories"][3], whole["histories"][3], tol=1e-6)
+        assert [len(killed["histories"][f]["values"]) for f in (3, 4)] == [1, 3]  # each epoch once
+        assert len(killed["histories"][4]["losses"]) == 3 * 20  # each batch once
+        for f in (3, 4):  # fit 3: its end state loaded (the last restart skipped fits 1 and 2)
+            assert close(killed["histories"][f], whole["histories"][f], tol=1e-6)
     models = tmp_path / "killed" / "work" / "models"
     assert f"ddipp: restart 1: fit 1 starts from scratch (no checkpoint of this launch in {models}" in said
     assert "ddipp: restart 2: fit 1 finished before the restart: skipped" in said
     assert f"ddipp: restart 2: fit 2 resumed after epoch 2 from {models}" in said
     assert f"ddipp: restart 3: fit 2 resumed after epoch 4 from {models}" in said  # finished: its end state loaded
+    assert f"ddipp: restart 4: fit 4 resumed after epoch 0 and 12 batches of epoch 1 from {models}" in said
+    assert f"ddipp: restart 5: fit 4 resumed after epoch 1 and 10 batches of epoch 2 from {models}" in said
+
+
+def test_with_gradient_accumulation_a_file_is_written_only_where_an_accumulation_ends(tmp_path):
+    def fresh(seed: int) -> Learner:
+        seed_all(seed)
+        return tensor_learner(tmp_path)
+    accumulate = dict(n_acc=32)  # 2 batches of 16 a step
+    whole = fresh(0)
+    whole.fit_one_cycle(2, 1e-2, cbs=[ddipp.Checkpoint(name="whole"), GradientAccumulation(**accumulate)])
+    fresh(0).fit_one_cycle(2, 1e-2, cbs=[ddipp.Checkpoint(name="cut", every_steps=1), StopAt(1, batch=2),
+                                         GradientAccumulation(**accumulate)])
+    assert torch.load(tmp_path / "models" / "cut.pth", weights_only=True)["step"] == 2  # not 3: batch 2 accumulated
+    resumed = fresh(1)
+    resumed.fit_one_cycle(2, 1e-2, start_epoch=1, cbs=[ddipp.Checkpoint(name="cut", every_steps=1),
+                                                      GradientAccumulation(**accumulate)])
+    assert max_diff(params(resumed), params(whole)) == 0
+
+
+def test_every_steps_refuses_a_recorder_with_training_metrics(tmp_path):
+    learn = tensor_learner(tmp_path)
+    learn.recorder.train_metrics = True
+    with pytest.raises(ValueError, match=r"Checkpoint\(every_steps=2\) cannot resume the training metrics of "
+                                         r"Recorder\(train_metrics=True\) in the middle of an epoch"):
+        learn.fit(1, cbs=ddipp.Checkpoint(every_steps=2))

@@ -125,13 +125,19 @@ def moments_fit(learn) -> dict:
 # 3. Checkpoint / resume
 
 class StopAt(Callback):
-    """Stops the fit when epoch `at` begins (after the checkpoint of the epoch before was written)."""
+    """Stops the fit when epoch `at` begins (after the checkpoint of the epoch before was written), or after its
+    training batch `batch` (and the Checkpoint's after_batch)."""
+    order = 80
 
-    def __init__(self, at: int):
-        self.at = at
+    def __init__(self, at: int, batch: int = None):
+        self.at, self.batch = at, batch
 
     def before_epoch(self):
-        if self.epoch == self.at:
+        if self.epoch == self.at and self.batch is None:
+            raise CancelFitException
+
+    def after_batch(self):
+        if (self.epoch, self.iter) == (self.at, self.batch) and self.training:
             raise CancelFitException
 
 

@@ -1,8 +1,8 @@
-"""Launched on 2 ranks with --max-restarts 3 by tests/fastai2/test_checkpoint.py: three fits with a Checkpoint (2
-epochs; a 4-epoch one-cycle fit; 1 epoch). With `kill`, rank 1 kills itself (SIGKILL) at step 3 of an epoch in each of
-the first 3 attempts (KILLS: before the first checkpoint, in the middle of fit 2, in fit 3 after fit 2 ended), and
-torch elastic restarts the group each time. Saves each rank's weights, recorder and restart count in
-OUT/rank{r}.pt."""
+"""Launched on 2 ranks with --max-restarts 5 by tests/fastai2/test_checkpoint.py: four fits with a Checkpoint (2
+epochs; a 4-epoch one-cycle fit; 1 epoch; a 3-epoch one-cycle fit checkpointed every 6 batches too). With `kill`, rank 1
+kills itself (SIGKILL) in each of the first 5 attempts (KILLS: before the first checkpoint, in the middle of fit 2, in
+fit 3 after fit 2 ended, in fit 4 2 and 4 batches after a mid-epoch checkpoint in its epochs 0 and 1), and torch
+elastic restarts the group each time. Saves each rank's weights, recorder and restart count in OUT/rank{r}.pt."""
 import os
 import signal
 import sys
@@ -18,20 +18,24 @@ from fastai.callback.core import Callback  # noqa: E402
 from fit_story import digits_dls, digits_learner, history, params  # noqa: E402
 
 out, kill = Path(sys.argv[1]), sys.argv[2] == "kill"
-KILLS = {0: (1, 0), 1: (2, 2), 2: (3, 0)}  # attempt (elastic's restart count) -> (fit, epoch) whose step 3 it dies at
+# attempt (elastic's restart count) -> (fit, epoch, batch) it dies after; fit 4 wrote after batch 11 of epoch 0 (its
+# 12th batch) and after batch 9 of epoch 1 (its 30th)
+KILLS = {0: (1, 0, 3), 1: (2, 2, 3), 2: (3, 0, 3), 3: (4, 0, 13), 4: (4, 1, 13)}
 fit, histories = 0, {}  # the fit running; each fit's recorder after it
 
 
 class KillRank1(Callback):
     def after_batch(self):
-        if kill and KILLS.get(restart_count()) == (fit, self.epoch) and ddipp.rank() == 1 and self.training \
-                and self.iter == 3:
+        if kill and KILLS.get(restart_count()) == (fit, self.epoch, self.iter) and ddipp.rank() == 1 and self.training:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 learn = digits_learner(digits_dls(bs=16, shuffle=True), out / "work").to_ddp()
-for fit, run in enumerate([lambda cbs: learn.fit(2, 1e-2, cbs=cbs), lambda cbs: learn.fit_one_cycle(4, 1e-2, cbs=cbs),
-                            lambda cbs: learn.fit(1, 1e-3, cbs=cbs)], start=1):
-    run([ddipp.Checkpoint(), KillRank1()])
+for fit, (run, checkpoint) in enumerate([
+        (lambda cbs: learn.fit(2, 1e-2, cbs=cbs), ddipp.Checkpoint()),
+        (lambda cbs: learn.fit_one_cycle(4, 1e-2, cbs=cbs), ddipp.Checkpoint()),
+        (lambda cbs: learn.fit(1, 1e-3, cbs=cbs), ddipp.Checkpoint()),
+        (lambda cbs: learn.fit_one_cycle(3, 1e-2, cbs=cbs), ddipp.Checkpoint("steps", every_steps=6))], start=1):
+    run([checkpoint, KillRank1()])
     histories[fit] = history(learn)
 torch.save(dict(params=params(learn), histories=histories, restarts=restart_count()), out / f"rank{ddipp.rank()}.pt")
