@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from importlib.metadata import version
@@ -81,13 +82,30 @@ def launch_2_ranks(script: Path, out: Path, nproc: int = 2) -> None:
     assert proc.returncode == 0, proc.stderr[-5000:]
 
 
-def launch_restartable(script: Path, out: Path, mode: str) -> str:
-    """Run `script OUT MODE` under ddipp's launcher on 2 CPU processes with --max-restarts 5; rank 0's output."""
+def launch_restartable(script: Path, out: Path, mode: str, nodes: int = 1) -> str:
+    """Run `script OUT MODE` under ddipp's launcher on 2 CPU processes with --max-restarts 5, on one node or as 2
+    nodes of one process each (two launches on this host, meeting on loopback); rank 0's output."""
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--max-restarts", "5", "--timeout",
-                           "60", str(script), str(out), mode], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return proc.stdout
+    args = [sys.executable, "-m", "ddipp.launch", "--max-restarts", "5", "--timeout", "60"]
+    if nodes == 1:
+        launches = [args + ["--nproc", "2"]]
+    else:
+        with socket.socket() as s:  # a free port for node 0's store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launches = [args + ["--nproc", "1", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                            "--master-port", str(port)] for node in range(2)]
+    procs = [subprocess.Popen(cmd + [str(script), str(out), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for cmd in launches]
+    said = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, stderr[-5000:]
+        said.append(stdout)
+    return said[0]
 
 
 @contextlib.contextmanager

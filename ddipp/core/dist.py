@@ -10,6 +10,7 @@ import socket
 import sys
 import time
 import traceback
+import uuid
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -197,8 +198,10 @@ def _join(backend: str, options: dict) -> None:
     (ddipp.launch's) keeps one store for every restart of the group, and a restarted group would otherwise read the
     keys of the attempt before (dial its dead ranks' addresses, or wait on keys that attempt used up). A group that does
     not form within the timeout raises an error naming the ranks that never came."""
+    global _launch_id
     timeout = options.get("timeout", default_pg_timeout)
     store, me, size = next(dist.rendezvous("env://", timeout=timeout))
+    _launch_id = agree_launch_id(store)
     attempt = os.environ.get(ATTEMPT_ENV, "0")
     store = dist.PrefixStore(f"ddipp-attempt{attempt}", store)
     store.set(f"came/{me}", "")
@@ -219,6 +222,20 @@ def _never_came(attempt: str, timeout: timedelta, absent: list[int]) -> str:
 
 
 _left = None  # after leave(): (the old group's store, its size, how many times this process left)
+_launch_id = None  # this launch's id, once the group formed (agree_launch_id)
+LAUNCH_ID_KEY = "ddipp/launch-id"
+
+
+def agree_launch_id(store) -> str:
+    """The id every rank of this launch reads from the launcher's `store`, which torch elastic keeps across its
+    restarts (a new launch has a new store): the first rank to ask sets it."""
+    return store.compare_set(LAUNCH_ID_KEY, "", uuid.uuid4().hex).decode()
+
+
+def launch_id():
+    """This launch's id, the same on every rank and node and across its restarts; None before this process joined a
+    launched group."""
+    return _launch_id
 
 
 def leave() -> None:

@@ -1,7 +1,8 @@
 """Resuming a launched script by itself after torch elastic restarted its group: which fit of the script a
 Checkpoint's file belongs to, and what each fit of the restarted script does with it.
 
-A Checkpoint's file names the launch (torch elastic's run id, the same across its restarts), the script and the fit:
+A Checkpoint's file names the launch (its id, agreed through the launcher's store: the same on every node and across
+torch elastic's restarts), the script and the fit:
 the n-th fit with a Checkpoint this process started. After a restart the script runs again from its top; its fits
 before the file's are skipped (the file's fit loads the state they led to), the file's fit resumes after the epoch
 the file holds, and the later fits run."""
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-RESTART_ENV, RUN_ID_ENV = "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"
+from . import dist as ddist
+
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 _fit_numbers = itertools.count(1)  # the fits with a Checkpoint this process started
 
 
@@ -22,10 +25,9 @@ def restart_count() -> int:
 
 
 def run_id() -> Optional[str]:
-    """The launch's id, the same across its restarts; None outside a launch, or for one of several nodes (ddipp's
-    multi-node launches share the id "none")."""
-    found = os.environ.get(RUN_ID_ENV)
-    return None if found in (None, "", "none") else found
+    """The launch's id, the same on every node and across its restarts (ddipp.core.dist.launch_id); None outside a
+    launch."""
+    return ddist.launch_id()
 
 
 def next_fit() -> dict:

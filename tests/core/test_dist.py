@@ -67,3 +67,10 @@ def test_a_loader_left_at_fastais_default_gets_the_ranks_share_of_the_cores(monk
     monkeypatch.setattr(dist.os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
     assert dist.loader_workers(chosen, default) == expected  # a number the user chose (not the default) stays
+
+
+def test_every_rank_and_restart_of_a_launch_reads_the_id_the_first_set_and_a_new_launch_another():
+    launch = torch.distributed.HashStore()  # the launcher's store, which torch elastic keeps across restarts
+    first = dist.agree_launch_id(launch)
+    assert [dist.agree_launch_id(launch) for _ in range(3)] == [first] * 3
+    assert dist.agree_launch_id(torch.distributed.HashStore()) != first

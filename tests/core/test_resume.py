@@ -51,10 +51,3 @@ def test_the_lines_say_what_happened(monkeypatch):
 
 def test_a_file_written_mid_epoch_resumes_after_its_batches():
     assert resume.plan(dict(saved(2, 1), step=10), identity(2), 4, 20, FILE) == resume.Plan("resume", 1, 10)
-
-
-def test_the_run_id_of_a_multi_node_launch_names_no_run(monkeypatch):
-    monkeypatch.setenv(resume.RUN_ID_ENV, "none")
-    assert resume.run_id() is None
-    monkeypatch.setenv(resume.RUN_ID_ENV, "abc")
-    assert resume.run_id() == "abc"

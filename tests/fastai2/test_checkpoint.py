@@ -221,3 +221,17 @@ def test_every_steps_refuses_a_recorder_with_training_metrics(tmp_path):
     with pytest.raises(ValueError, match=r"Checkpoint\(every_steps=2\) cannot resume the training metrics of "
                                          r"Recorder\(train_metrics=True\) in the middle of an epoch"):
         learn.fit(1, cbs=ddipp.Checkpoint(every_steps=2))
+
+
+@pytest.mark.slow
+def test_a_two_node_launch_resumes_by_itself_when_a_rank_of_one_node_dies(tmp_path):
+    worker = Path(__file__).parent / "workers" / "nodes_worker.py"
+    said = launch_restartable(worker, tmp_path / "killed", "kill", nodes=2)
+    launch_restartable(worker, tmp_path / "whole", "whole")
+    for r in range(2):
+        killed, whole = (torch.load(tmp_path / run / f"rank{r}.pt", weights_only=False) for run in ("killed", "whole"))
+        assert (killed["restarts"], whole["restarts"]) == (1, 0)
+        assert max_diff(killed["params"], whole["params"]) <= 1e-6
+        assert close(killed["history"], whole["history"], tol=1e-6)
+    models = tmp_path / "killed" / "work" / "models"
+    assert f"ddipp: restart 1: fit 1 resumed after epoch 1 and 10 batches of epoch 2 from {models}" in said
