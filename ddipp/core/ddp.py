@@ -16,8 +16,9 @@ from .syncbn import convert_sync_bn
 LR_FIND_MODES = ("solo", "distributed")
 
 
-def check_options(lr_find_mode: str, timeout: float, split_batches: bool = False) -> None:
-    """ValueError naming a bad `lr_find_mode`, `timeout` or `split_batches` of to_ddp, and what to give instead."""
+def check_options(lr_find_mode: str, timeout: float, split_batches: bool = False, restarts: int = 0) -> None:
+    """ValueError naming a bad `lr_find_mode`, `timeout`, `split_batches` or `restarts` of to_ddp, and what to give
+    instead."""
     if lr_find_mode not in LR_FIND_MODES:
         raise ValueError(f"to_ddp(lr_find_mode={lr_find_mode!r}): use 'solo' (rank 0 sweeps alone) or "
                          "'distributed' (all ranks sweep with the global batch)")
@@ -27,6 +28,9 @@ def check_options(lr_find_mode: str, timeout: float, split_batches: bool = False
     if not isinstance(split_batches, bool):
         raise ValueError(f"to_ddp(split_batches={split_batches!r}): True (the loader's batch is the global batch, "
                          "split over the processes) or False (each process takes a whole batch; the default)")
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise ValueError(f"to_ddp(restarts={restarts!r}): restarts is how many times a notebook fit whose worker died "
+                         "starts a new group and resumes from its Checkpoint, a whole number >= 0 (default 0)")
 
 
 def check_split(bs: int, world_size: int, smallest_part: int, batchnorm: bool, sync_bn: bool) -> None:
@@ -46,8 +50,12 @@ def check_split(bs: int, world_size: int, smallest_part: int, batchnorm: bool, s
                          f"{2 * world_size} with drop_last=True, or to_ddp(..., sync_bn=True)")
 
 
-def check_matches_launch(gpus: Optional[Sequence[int]], nprocs: Optional[int]) -> None:
-    """ValueError if to_ddp's `gpus` or `nprocs`, in a launched process, differ from what the launcher started."""
+def check_matches_launch(gpus: Optional[Sequence[int]], nprocs: Optional[int], restarts: int = 0) -> None:
+    """ValueError if to_ddp's `gpus` or `nprocs`, in a launched process, differ from what the launcher started, or
+    it asks for notebook restarts (`restarts`), which the launcher does there."""
+    if restarts:
+        raise ValueError(f"to_ddp(restarts={restarts}) restarts a notebook's workers; the launcher restarts a launched "
+                         f"script: python -m ddipp.launch --max-restarts {restarts} ..., and leave restarts out")
     launched_devices = os.environ.get(ddist.DEVICES_ENV, "")
     if gpus is not None and [int(g) for g in gpus] != [int(g) for g in launched_devices.split(",") if g.isdigit()]:
         raise ValueError(f"to_ddp(gpus={list(gpus)}) but the launcher started this group on "

@@ -228,7 +228,10 @@ LAUNCH_ID_KEY = "ddipp/launch-id"
 
 def agree_launch_id(store) -> str:
     """The id every rank of this launch reads from the launcher's `store`, which torch elastic keeps across its
-    restarts (a new launch has a new store): the first rank to ask sets it."""
+    restarts (a new launch has a new store): the first rank to ask sets it. Older torch hands each attempt's ranks
+    the store under a prefix of the attempt: the id is read beneath it."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
     return store.compare_set(LAUNCH_ID_KEY, "", uuid.uuid4().hex).decode()
 
 

@@ -17,6 +17,7 @@ from . import dist as ddist
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 _fit_numbers = itertools.count(1)  # the fits with a Checkpoint this process started
+_sent = None  # in a notebook's worker: the number the notebook gave the fit that runs
 
 
 def restart_count() -> int:
@@ -31,8 +32,17 @@ def run_id() -> Optional[str]:
 
 
 def next_fit() -> dict:
-    """The identity of the fit with a Checkpoint that starts now: the launch, the script, its number in the script."""
-    return dict(run_id=run_id(), script=str(Path(sys.argv[0]).resolve()), fit=next(_fit_numbers))
+    """The identity of the fit with a Checkpoint that starts now: the launch, the script, its number in the script (in
+    a notebook's worker, the number the notebook gave it: `fit_sent`)."""
+    number = next(_fit_numbers) if _sent is None else _sent
+    return dict(run_id=run_id(), script=str(Path(sys.argv[0]).resolve()), fit=number)
+
+
+def fit_sent(number: int) -> None:
+    """In a notebook's worker: the fit that runs now is the notebook's fit `number` on this run of groups (a group
+    that replaces one whose worker died gets the same number for the fit it resumes)."""
+    global _sent
+    _sent = number
 
 
 @dataclass(frozen=True)

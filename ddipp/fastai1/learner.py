@@ -22,7 +22,7 @@ _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
 def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None,
            sync_bn: bool = False, find_unused_parameters: Optional[bool] = None,
-           lr_find_mode: str = "solo", timeout: float = 600, split_batches: bool = False) -> Learner:
+           lr_find_mode: str = "solo", timeout: float = 600, split_batches: bool = False, restarts: int = 0) -> Learner:
     """Make every later fit of `learn` distributed; a no-op in a plain process given neither `gpus` nor `nprocs`.
 
     In a launched process it joins the launcher's group (`gpus`/`nprocs`, if given, must match it). Elsewhere
@@ -30,17 +30,18 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     order or `nprocs` CPU processes, on which each fit runs; `timeout` is how many seconds a rank may wait for
     the others in a collective before the fit fails instead of hanging. `split_batches=True` keeps the training
     loader's batch as the global batch, each process taking its part (one process's steps and numbers); by default
-    each process takes a whole batch."""
-    check_options(lr_find_mode, timeout, split_batches)
+    each process takes a whole batch. In a notebook, `restarts=N` runs a fit whose worker died again on a new group,
+    up to N times, resuming from the fit's Checkpoint."""
+    check_options(lr_find_mode, timeout, split_batches, restarts)
     options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode,
                    split_batches=split_batches)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return learn
         from .notebook.binding import bind
-        bind(learn, notebook_devices(gpus, nprocs), timeout, options)  # and says the global batch
+        bind(learn, notebook_devices(gpus, nprocs), timeout, options, restarts)  # and says the global batch
         return learn
-    check_matches_launch(gpus, nprocs)
+    check_matches_launch(gpus, nprocs, restarts)
     ddist.init()
     if not ddist.is_rank0():
         hide_progress_bars()  # also for validate() and get_preds() outside a fit

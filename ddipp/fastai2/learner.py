@@ -22,7 +22,7 @@ _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 @patch
 def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None, sync_bn: bool = False,
            find_unused_parameters: Optional[bool] = None, lr_find_mode: str = "solo", timeout: float = 600,
-           split_batches: bool = False) -> Learner:
+           split_batches: bool = False, restarts: int = 0) -> Learner:
     """Make every later fit of this learner distributed; a no-op in a plain process given neither `gpus` nor `nprocs`.
 
     In a process started by `python -m ddipp.launch` it joins the launcher's group (`gpus`/`nprocs`, if given, must
@@ -32,8 +32,9 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
     that order or `nprocs` CPU processes, on which each fit runs; `timeout` is how many seconds a rank may wait for the
     others in a collective before the fit fails instead of hanging. `split_batches=True` keeps the training loader's
     batch as the global batch, each process taking its part (one process's steps and numbers); by default each process
-    takes a whole batch."""
-    check_options(lr_find_mode, timeout, split_batches)
+    takes a whole batch. In a notebook, `restarts=N` runs a fit whose worker died again on a new group, up to N times,
+    resuming from the fit's Checkpoint."""
+    check_options(lr_find_mode, timeout, split_batches, restarts)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return self
@@ -43,11 +44,11 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
         devices = notebook_devices(gpus, nprocs)
         options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode,
                        split_batches=split_batches)
-        bind(self, devices, timeout, options, fit_on_group, fitting=fitting.__name__)
+        bind(self, devices, timeout, options, fit_on_group, fitting=fitting.__name__, restarts=restarts)
         self.save, self.export = AtomicSave(self), AtomicExport(self)  # the exported learner is not bound
         self.ddp.say_global_batch(self.dls.train.bs)
         return self
-    check_matches_launch(gpus, nprocs)
+    check_matches_launch(gpus, nprocs, restarts)
     ddist.init()
     if not ddist.is_rank0():
         fastprogress.fastprogress.NO_BAR = True  # rank 0 draws the bars, also of validate() and get_preds()

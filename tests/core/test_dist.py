@@ -73,4 +73,5 @@ def test_every_rank_and_restart_of_a_launch_reads_the_id_the_first_set_and_a_new
     launch = torch.distributed.HashStore()  # the launcher's store, which torch elastic keeps across restarts
     first = dist.agree_launch_id(launch)
     assert [dist.agree_launch_id(launch) for _ in range(3)] == [first] * 3
+    assert dist.agree_launch_id(torch.distributed.PrefixStore("/worker/attempt_1", launch)) == first  # older torch
     assert dist.agree_launch_id(torch.distributed.HashStore()) != first

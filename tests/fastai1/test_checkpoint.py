@@ -13,12 +13,12 @@ from fastai.tabular import Categorify, Normalize, TabularDataBunch, tabular_lear
 from fastai.vision import ImageDataBunch, ImageList
 
 import ddipp
-from beyond import StopAt, ckpt_learner, resume_story
+from beyond import KillRank1, StopAt, ckpt_learner, resume_story
 from conftest import image_folder, launch_restartable, tiny_cnn
 from ddipp.core.files import save_atomic
 from ddipp.core.rng import seed_all
 from compare import TOL, close, max_diff
-from scenario import params
+from scenario import digits_data, digits_learner, history, params
 
 
 @pytest.mark.slow
@@ -156,3 +156,23 @@ def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_sto
     assert f"ddipp: restart 3: fit 2 resumed after epoch 4 from {models}" in said  # finished: its end state loaded
     assert f"ddipp: restart 4: fit 4 resumed after epoch 0 and 12 batches of epoch 1 from {models}" in said
     assert f"ddipp: restart 5: fit 4 resumed after epoch 1 and 10 batches of epoch 2 from {models}" in said
+
+
+@pytest.mark.slow
+def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_are_asked(tmp_path, capsys):
+    def fit(name: str, *cbs) -> Learner:
+        learn = digits_learner(digits_data(tmp_path, bs=16, shuffle=True)).to_ddp(nprocs=2, restarts=1)
+        seed_all(0)
+        learn.fit_one_cycle(3, 1e-2, callbacks=[ddipp.Checkpoint(learn, name, every_steps=6),
+                                                *[cb(learn) for cb in cbs]])
+        return learn
+    whole = fit("whole")
+    killed = fit("cut", partial(KillRank1, epoch=1, batch=13))  # 4 batches after the checkpoint of batch 9
+    said = capsys.readouterr()
+    assert max_diff(params(killed), params(whole)) <= 1e-6
+    assert close(history(killed), history(whole), tol=1e-6)
+    assert "ddipp: ddipp worker rank 1 (pid " in said.err and ") was killed by SIGKILL;" in said.err
+    assert "ddipp: restart 1 of 1: a new group runs the fit again, from its Checkpoint if it has one" in said.err
+    assert f"ddipp: restart 1: fit 2 resumed after epoch 1 and 10 batches of epoch 2 from {tmp_path / 'models'}" \
+        in said.out
+    assert "ddipp: the fit completed after 1 restart (new groups started in " in said.out

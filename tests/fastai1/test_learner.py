@@ -48,7 +48,8 @@ def test_to_ddp_attaches_the_callbacks_once_and_from_ddp_removes_them(learn, mon
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(gpus=[0, 3]), "to_ddp(gpus=[0, 3]) but the launcher started this group on cpu"),
-    (dict(nprocs=3), "to_ddp(nprocs=3) but the launcher started 2 processes")])
+    (dict(nprocs=3), "to_ddp(nprocs=3) but the launcher started 2 processes"),
+    (dict(restarts=1), "to_ddp(restarts=1) restarts a notebook's workers; the launcher restarts a launched script")])
 def test_to_ddp_in_a_launched_process_refuses_devices_the_launcher_did_not_start(learn, monkeypatch, kwargs, message):
     for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", DDIPP_DEVICES="cpu").items():
         monkeypatch.setenv(name, value)

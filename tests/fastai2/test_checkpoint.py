@@ -24,9 +24,9 @@ import ddipp
 from ddipp.core.rng import seed_all
 
 from conftest import image_folder, launch_restartable, tiny_cnn
-from extras import StopAt, ckpt_learner, launched, resume_story
+from extras import KillRank1, StopAt, ckpt_learner, launched, resume_story
 from compare import TOL, close, max_diff
-from fit_story import params
+from fit_story import digits_dls, digits_learner, history, params
 
 
 @pytest.fixture
@@ -235,3 +235,22 @@ def test_a_two_node_launch_resumes_by_itself_when_a_rank_of_one_node_dies(tmp_pa
         assert close(killed["history"], whole["history"], tol=1e-6)
     models = tmp_path / "killed" / "work" / "models"
     assert f"ddipp: restart 1: fit 1 resumed after epoch 1 and 10 batches of epoch 2 from {models}" in said
+
+
+@pytest.mark.slow
+def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_are_asked(tmp_path, capsys):
+    def fit(name: str, *cbs) -> Learner:
+        learn = digits_learner(digits_dls(bs=16, shuffle=True), tmp_path).to_ddp(nprocs=2, restarts=1)
+        seed_all(0)
+        learn.fit_one_cycle(3, 1e-2, cbs=[ddipp.Checkpoint(name, every_steps=6), *cbs])
+        return learn
+    whole = fit("whole")
+    killed = fit("cut", KillRank1(1, 13))  # 4 batches after the checkpoint of batch 9
+    said = capsys.readouterr()
+    assert max_diff(params(killed), params(whole)) <= 1e-6
+    assert close(history(killed), history(whole), tol=1e-6)
+    assert "ddipp: ddipp worker rank 1 (pid " in said.err and ") was killed by SIGKILL;" in said.err
+    assert "ddipp: restart 1 of 1: a new group runs the fit again, from its Checkpoint if it has one" in said.err
+    assert f"ddipp: restart 1: fit 2 resumed after epoch 1 and 10 batches of epoch 2 from {tmp_path / 'models'}" \
+        in said.out
+    assert "ddipp: the fit completed after 1 restart (new groups started in " in said.out

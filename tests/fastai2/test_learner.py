@@ -66,7 +66,9 @@ def test_to_ddp_attaches_the_callbacks_once_and_from_ddp_removes_them(learn, lau
     (dict(gpus=[0, 3]), "to_ddp(gpus=[0, 3]) but the launcher started this group on cpu; pass the same gpus or "
                         "leave gpus out"),
     (dict(nprocs=3), "to_ddp(nprocs=3) but the launcher started 2 processes on this host; pass the same number or "
-                     "leave nprocs out")])
+                     "leave nprocs out"),
+    (dict(restarts=2), "to_ddp(restarts=2) restarts a notebook's workers; the launcher restarts a launched script: "
+                       "python -m ddipp.launch --max-restarts 2 ..., and leave restarts out")])
 def test_to_ddp_in_a_launched_process_refuses_devices_the_launcher_did_not_start(learn, monkeypatch, kwargs, message):
     for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", DDIPP_DEVICES="cpu").items():
         monkeypatch.setenv(name, value)
@@ -82,7 +84,10 @@ def test_to_ddp_in_a_launched_process_refuses_devices_the_launcher_did_not_start
     (dict(timeout=-5), "to_ddp(timeout=-5): timeout is the seconds"),
     (dict(timeout="60"), "to_ddp(timeout='60'): timeout is the seconds"),
     (dict(lr_find_mode="bogus"), "to_ddp(lr_find_mode='bogus'): use 'solo' (rank 0 sweeps alone) or 'distributed' "
-                                 "(all ranks sweep with the global batch)")])
+                                 "(all ranks sweep with the global batch)"),
+    (dict(restarts=-1), "to_ddp(restarts=-1): restarts is how many times a notebook fit whose worker died starts a "
+                        "new group and resumes from its Checkpoint, a whole number >= 0 (default 0)"),
+    (dict(restarts=True), "to_ddp(restarts=True): restarts is how many times")])
 def test_to_ddp_names_bad_options_before_changing_anything(learn, kwargs, message):
     with pytest.raises(ValueError) as raised:
         learn.to_ddp(nprocs=2, **kwargs)

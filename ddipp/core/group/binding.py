@@ -1,21 +1,24 @@
 """A notebook's learner bound to a worker group: its `learn.fit` runs there, through the adapter's fit function."""
 import sys
+import time
 import weakref
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 
 from ..ddp import say_global_batch
-from .group import WorkerGroup, _groups, group_for
+from .group import WorkerDied, WorkerGroup, _groups, group_for
 
 
 @dataclass
 class Binding:
     """Where a bound learner's fits run and with which adapter's fitting module, the options of ddipp's callbacks
-    there, and the training loader's batch size whose global batch it said last."""
+    there, how many times a fit whose worker died restarts, and the training loader's batch size whose global batch it
+    said last."""
     devices: Tuple[str, ...]
     timeout: float
     options: dict
     fitting: str
+    restarts: int = 0
     said_bs: Optional[int] = None
 
     def say_global_batch(self, bs: Optional[int]) -> None:
@@ -26,13 +29,14 @@ class Binding:
 
 
 def bind(learn: Any, devices: Tuple[str, ...], timeout: float, options: dict, fit_on_group: Callable,
-         fitting: str) -> None:
+         fitting: str, restarts: int = 0) -> None:
     """Run `learn`'s fits on the group on `devices` (started now if not running) with `fit_on_group(learn, ...)`; its
-    workers run them with the adapter's module named `fitting` (`adapter.Fitting`)."""
+    workers run them with the adapter's module named `fitting` (`adapter.Fitting`); a fit whose worker dies starts a
+    new group and resumes there, up to `restarts` times."""
     if "ddp" in vars(learn):
         unbind(learn)
     group_for(devices, timeout, fitting).learners[id(learn)] = learn
-    learn.ddp = Binding(devices, timeout, options, fitting)
+    learn.ddp = Binding(devices, timeout, options, fitting, restarts)
     learn.fit = FitOnGroup(learn, fit_on_group)  # what fit_one_cycle, lr_find, fine_tune ... call
 
 
@@ -51,10 +55,11 @@ def unbind(learn: Any) -> bool:
     return True
 
 
-def group_of(learn: Any) -> WorkerGroup:
-    """The running group of a bound learner (a new one if the last fit's failure stopped it)."""
+def group_of(learn: Any, after: WorkerGroup = None) -> WorkerGroup:
+    """The running group of a bound learner (a new one if the last fit's failure stopped it, the restart of `after`
+    if given)."""
     binding = learn.ddp
-    group = group_for(binding.devices, binding.timeout, binding.fitting)
+    group = group_for(binding.devices, binding.timeout, binding.fitting, after)
     group.learners[id(learn)] = learn
     return group
 
@@ -67,21 +72,41 @@ def fit_on_group(learn: Any, data: Any, call: Callable[[AbstractSet[str]], bytes
     `mirror`; then `apply_results` puts rank 0's results on the learner, as a local fit would leave it. A failed fit
     keeps what was trained up to the failure (`kept()`: its epoch and step, said) or, if nothing was, leaves the learner
     as it was (`untrained()` then does what a local fit that failed would); an interrupted one raises
-    KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit."""
-    group = group_of(learn)
-    try:
-        results, interrupted = group.fit(data, call(group.held), learn.ddp.options, mirror)
-    except BaseException:
-        if group.trained is not None:
-            apply_results(group.trained)
-            group.say_kept(*kept())
+    KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit. A fit whose worker died runs again on
+    a new group, the restart of the last (a Checkpoint in the fit resumes it), up to the binding's `restarts` times."""
+    group, restarts, lost = group_of(learn), 0, 0.0
+    while True:
+        try:
+            results, interrupted = group.fit(data, call(group.held), learn.ddp.options, mirror)
+            break
+        except BaseException as e:
+            if isinstance(e, WorkerDied) and restarts < learn.ddp.restarts:
+                restarts += 1
+                print(f"ddipp: {str(e).splitlines()[0]}\nddipp: restart {restarts} of {learn.ddp.restarts}: a new "
+                      "group runs the fit again, from its Checkpoint if it has one", file=sys.stderr, flush=True)
+                failed = time.monotonic()
+                group = group_of(learn, after=group)
+                lost += time.monotonic() - failed
+                continue
+            _failed(group, apply_results, kept, untrained)
             raise
-        print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
-        untrained()
-        raise
     apply_results(results)
+    if restarts:
+        print(f"ddipp: the fit completed after {restarts} restart{'s' * (restarts > 1)} (new groups started in "
+              f"{lost:.1f} s; the batches after each last checkpoint ran again)", flush=True)
     if interrupted:
         raise KeyboardInterrupt
+
+
+def _failed(group: WorkerGroup, apply_results: Callable[[List[bytes]], None], kept: Callable[[], Tuple[int, int]],
+            untrained: Callable[[], None]) -> None:
+    """After a failed fit: the learner keeps what rank 0 trained, said, or is left as it was."""
+    if group.trained is not None:
+        apply_results(group.trained)
+        group.say_kept(*kept())
+        return
+    print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
+    untrained()
 
 class OfBinding:
     """A method of a bound learner, set on it as an attribute (fastai calls `self.fit`), that unbind takes away; it

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -43,6 +44,10 @@ class WorkerError(RuntimeError):
     """A rank failed without an exception the notebook can rebuild: it died, or its error did not unpickle."""
 
 
+class WorkerDied(WorkerError):
+    """A rank's process ended in a fit without an error (killed: out of memory, preempted, a signal)."""
+
+
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a worker, shown as the cause of the exception re-raised here."""
 
@@ -52,10 +57,15 @@ class RemoteTraceback(Exception):
 
 class WorkerGroup:
     """One worker process per device ("cpu" for each CPU process), ranks in the order of `devices`, fitting with the
-    adapter's module `fitting` (`adapter.Fitting`)."""
+    adapter's module `fitting` (`adapter.Fitting`); `after`, a group whose worker died, is the one it replaces: its
+    workers are a restart of that group's (torch elastic's restart count, the same launch id and fit numbers, which a
+    Checkpoint's file names), so a fit resumes there."""
 
-    def __init__(self, devices: Tuple[str, ...], timeout: float, fitting: str):
+    def __init__(self, devices: Tuple[str, ...], timeout: float, fitting: str, after: "WorkerGroup" = None):
         self.devices, self.timeout, self.fitting = devices, timeout, fitting
+        self.launch_id = after.launch_id if after else uuid.uuid4().hex
+        self.attempt = after.attempt + 1 if after else 0
+        self.fits = after.fits - 1 if after else 0  # the fits sent; a restart sends its group's last one again
         self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
         self.data_digest = None
         self.held = frozenset()  # digests of the tensors every worker kept from the last fit (the call names them)
@@ -63,6 +73,7 @@ class WorkerGroup:
         sweep_stale_dirs(Path(tempfile.gettempdir()), LOGS_KIND)  # left by notebooks that were killed
         self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
         self.store = loopback_store(loopback_listener(), timedelta(seconds=START_TIMEOUT))
+        self.store.set(ddist.LAUNCH_ID_KEY, self.launch_id)  # what every worker's dist.launch_id() reads
         self.procs: List[subprocess.Popen] = []
         self.conns: List[Connection] = []
         self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
@@ -72,7 +83,8 @@ class WorkerGroup:
         self.errors = {}  # rank -> (blame, error) of the ranks that failed, while `_collect` serves a command
         self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
         started = time.monotonic()
-        envs = [worker_env(rank, devices, timeout, self.store.port, fitting) for rank in range(len(devices))]
+        envs = [worker_env(rank, devices, timeout, self.store.port, fitting, self.attempt)
+                for rank in range(len(devices))]
         if len(devices) > 1:
             print(f"ddipp: {ddist.cores_shared(len(devices), envs[0]['OMP_NUM_THREADS'])}", flush=True)
         print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} ...", end="", flush=True)
@@ -107,12 +119,13 @@ class WorkerGroup:
         and arguments; `mirror.interrupt()` when a fit is interrupted): rank 0's results and whether an interrupt
         stopped the fit (every rank after the same step; what was trained comes back all the same)."""
         interrupted, self.trained, self.unanswered = False, None, set(range(len(self.conns)))
+        self.fits += 1
         try:
             for conn in self.conns:
                 send(conn, (SET_CONTEXT, os.getcwd(), sys.path))
             data_bytes = self._keep_data(data)
             for conn in self.conns:
-                send(conn, (FIT, self.data_digest, call, options))
+                send(conn, (FIT, self.data_digest, call, options, self.fits))
             self.replies = {}
             try:
                 self._collect(DONE, on_event=mirror)
@@ -244,7 +257,7 @@ class WorkerGroup:
         late = min(rank for rank in range(len(self.conns)) if rank not in self.replies)
         return WorkerError(f"ddipp workers did not start within {START_TIMEOUT} s; {self._log_tail(late)}")
 
-    def _death(self, rank: int) -> WorkerError:
+    def _death(self, rank: int) -> WorkerDied:
         proc = self.procs[rank]
         try:
             code = proc.wait(timeout=5)
@@ -252,8 +265,8 @@ class WorkerGroup:
             code = None
         how = ("closed its connection" if code is None else
                f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
-        return WorkerError(f"ddipp worker rank {rank} (pid {proc.pid}, {self.devices[rank]}) {how}; "
-                           f"{self._log_tail(rank)}")
+        return WorkerDied(f"ddipp worker rank {rank} (pid {proc.pid}, {self.devices[rank]}) {how}; "
+                          f"{self._log_tail(rank)}")
 
     def _log_tail(self, rank: int, lines: int = 20) -> str:
         text = (self.logs / f"rank{rank}.log").read_text(errors="replace").splitlines()[-lines:]
@@ -292,19 +305,20 @@ class WorkerGroup:
         shutil.rmtree(self.logs, ignore_errors=True)
 
 
-def worker_env(rank: int, devices: Tuple[str, ...], timeout: float, store_port: int, fitting: str,
+def worker_env(rank: int, devices: Tuple[str, ...], timeout: float, store_port: int, fitting: str, attempt: int = 0,
                environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
     """The environment rank `rank` of a notebook's group on `devices` starts in, all but its socket to the notebook:
     `environ`, with what torch's elastic agent sets for a rank launched on one host (its store on loopback at
-    `store_port`), ddipp's `rank_env`, this package first on the path, the notebook's pid and the adapter's `fitting`
-    module."""
+    `store_port`, its restart count `attempt`), ddipp's `rank_env`, this package first on the path, the notebook's pid
+    and the adapter's `fitting` module."""
     cpu = devices[0] == "cpu"
     device_list = "cpu" if cpu else ",".join(d.split(":")[1] for d in devices)
     world = str(len(devices))
     return dict(environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
                 MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store_port), TORCHELASTIC_USE_AGENT_STORE="True",
                 PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, environ.get("PYTHONPATH")])),
-                **{ddist.ATTEMPT_ENV: "0", ddist.PARENT_PID_ENV: str(os.getpid()), ddist.FITTING_ENV: fitting},
+                **{ddist.ATTEMPT_ENV: str(attempt), ddist.PARENT_PID_ENV: str(os.getpid()),
+                   ddist.FITTING_ENV: fitting},
                 **ddist.rank_env(device_list, timeout, len(devices), True, environ))
 
 
@@ -324,9 +338,10 @@ def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) ->
 _groups: Dict[Tuple[str, ...], WorkerGroup] = {}
 
 
-def group_for(devices: Tuple[str, ...], timeout: float, fitting: str) -> WorkerGroup:
-    """The running group on `devices`, started (or restarted with the new timeout or fitting module) when needed; a
-    group that no learner uses any more is stopped first if it holds one of these devices."""
+def group_for(devices: Tuple[str, ...], timeout: float, fitting: str, after: WorkerGroup = None) -> WorkerGroup:
+    """The running group on `devices`, started (or restarted with the new timeout or fitting module) when needed, as
+    the restart of `after` if given (a group whose worker died); a group that no learner uses any more is stopped first
+    if it holds one of these devices."""
     group = _groups.get(devices)
     if group is not None and (not group.alive or (group.timeout, group.fitting) != (timeout, fitting)):
         group.stop()
@@ -337,7 +352,7 @@ def group_for(devices: Tuple[str, ...], timeout: float, fitting: str) -> WorkerG
             gc.collect()  # a dropped learner may wait in a reference cycle
         for idle in [g for g in overlapping if not g.learners]:
             idle.stop()  # no learner uses it any more (dropped without from_ddp): free its devices
-        group = _groups[devices] = WorkerGroup(devices, timeout, fitting)
+        group = _groups[devices] = WorkerGroup(devices, timeout, fitting, after)
     return group
 
 

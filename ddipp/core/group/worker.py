@@ -16,7 +16,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from .. import dist
+from .. import dist, resume
 from ..dist import CONNECTION_FD_ENV, FITTING_ENV, PARENT_PID_ENV
 from .adapter import load_fitting
 from .messages import DONE, ERROR, READY, STOP
@@ -92,10 +92,11 @@ class Worker:
         self.data = self.fitting.place_data(loads(blob, device=self.device, buffers=buffers), self.device)
         self.data_digest = digest
 
-    def fit(self, digest: str, call: bytes, options: dict) -> None:
+    def fit(self, digest: str, call: bytes, options: dict, number: int) -> None:
         if digest != self.data_digest:
             raise RuntimeError(f"ddipp: rank {self.rank} holds data {self.data_digest}, not {digest}")
         dist.request_stop(False)  # an interrupt meant for an earlier fit
+        resume.fit_sent(number)  # what a Checkpoint's file names this fit by
         try:
             result, kept = self.fitting.run_fit(self.data, call, options, self.device,
                                                 self.send if self.rank == 0 else None, self.held)

@@ -14,9 +14,10 @@ from .fitting import apply_results, fit_call
 from .progress import ProgressMirror
 
 
-def bind(learn: Learner, devices: Tuple[str, ...], timeout: float, options: dict) -> None:
-    """Run `learn`'s fits on the group on `devices`, also after fastai's purge, and say the global batch."""
-    binding.bind(learn, devices, timeout, options, fit_on_group, fitting=fitting.__name__)
+def bind(learn: Learner, devices: Tuple[str, ...], timeout: float, options: dict, restarts: int = 0) -> None:
+    """Run `learn`'s fits on the group on `devices`, also after fastai's purge (a fit whose worker died again, up to
+    `restarts` times), and say the global batch."""
+    binding.bind(learn, devices, timeout, options, fit_on_group, fitting=fitting.__name__, restarts=restarts)
     learn.purge, learn.destroy = Purge(learn), Destroy(learn)
     learn.ddp.say_global_batch(_train_bs(learn.data))
 

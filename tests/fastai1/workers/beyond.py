@@ -1,5 +1,8 @@
 """Global-batch losses, metric states, SyncBatchNorm, checkpoints, throughput in fastai v1: what the tests run in one
 process (the reference) and beyond_worker.py runs on 2 ranks (plain-torch parts: tests/core/workers/core_story.py)."""
+import os
+import signal
+
 import torch
 import torch.nn.functional as F
 from fastai.basic_data import DataBunch
@@ -10,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddipp
+from ddipp.core.resume import restart_count
 from core_story import mean_cov, moment_sums, pairwise_loss, sq_distances
 from scenario import digits_data, digits_learner, history, params
 
@@ -117,6 +121,19 @@ class StopAt(LearnerCallback):
     def on_epoch_begin(self, epoch, **kwargs):
         if epoch == self.at:
             raise KeyboardInterrupt(f"interrupted at epoch {epoch}")
+
+
+class KillRank1(LearnerCallback):
+    """Kills rank 1 (SIGKILL) after its training batch `batch` of epoch `epoch`, in a group's first attempt only (a
+    notebook's group that replaces it does not die again)."""
+
+    def __init__(self, learn, epoch: int, batch: int):
+        super().__init__(learn)
+        self.at = epoch, batch
+
+    def on_batch_end(self, train, epoch, num_batch, **kwargs):
+        if train and (epoch, num_batch) == self.at and ddipp.rank() == 1 and restart_count() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def ckpt_learner(path, seed=0) -> Learner:

@@ -1,6 +1,8 @@
 """Global-batch losses, sum metrics, checkpoints, throughput on fastai v2: the stories the tests run in one process
 (the reference) and extras_worker.py runs on 2 ranks."""
+import os
 import random
+import signal
 from functools import cache
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddipp
+from ddipp.core.resume import restart_count
 
 N_VALID = 359  # digits' validation items: odd, so the ranks' shares differ
 
@@ -139,6 +142,18 @@ class StopAt(Callback):
     def after_batch(self):
         if (self.epoch, self.iter) == (self.at, self.batch) and self.training:
             raise CancelFitException
+
+
+class KillRank1(Callback):
+    """Kills rank 1 (SIGKILL) after its training batch `batch` of epoch `epoch`, in a group's first attempt only (a
+    notebook's group that replaces it does not die again)."""
+
+    def __init__(self, epoch: int, batch: int):
+        self.at = epoch, batch
+
+    def after_batch(self):
+        if self.training and (self.epoch, self.iter) == self.at and ddipp.rank() == 1 and restart_count() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def ckpt_learner(path, seed: int = 0) -> Learner:
