@@ -57,9 +57,10 @@ class Plan:
 
 
 def plan(saved: Optional[dict], fit: dict, n_epochs: int, size: int, file: Path) -> Plan:
-    """The Plan of the fit `fit` (next_fit) of `n_epochs` epochs over a training set of `size` (the adapter's measure:
-    batches or items), given `saved`, the identity a Checkpoint's file holds (None if there is none). ValueError when
-    the file is this launch's but not this fit's."""
+    """The Plan of the fit `fit` (next_fit, with the adapter's `lrs`: the learning rates its schedule runs at) of
+    `n_epochs` epochs over a training set of `size` (the adapter's measure: batches or items), given `saved`, the
+    identity a Checkpoint's file holds (None if there is none). ValueError when the file is this launch's but not this
+    fit's."""
     if saved is None or saved.get("run_id") is None or saved["run_id"] != fit["run_id"]:
         return Plan("fresh")
     if saved["script"] != fit["script"]:
@@ -69,11 +70,11 @@ def plan(saved: Optional[dict], fit: dict, n_epochs: int, size: int, file: Path)
         return Plan("skip")
     if fit["fit"] > saved["fit"]:
         return Plan("run")
-    if (saved["n_epochs"], saved["size"]) != (n_epochs, size):
+    if (saved["n_epochs"], saved["size"], saved.get("lrs")) != (n_epochs, size, fit.get("lrs")):
         raise ValueError(f"{file} holds fit {fit['fit']} of this launch, {saved['n_epochs']} epochs over a training "
-                         f"set of size {saved['size']}, and the restarted script's fit {fit['fit']} has {n_epochs} "
-                         f"over {size}: a restarted script must run the same fits (are its data or epochs drawn at "
-                         "random?)")
+                         f"set of size {saved['size']} at learning rates {saved.get('lrs')}, and the restarted "
+                         f"script's fit {fit['fit']} has {n_epochs} over {size} at {fit.get('lrs')}: a restarted "
+                         "script must run the same fits (are its data, epochs or learning rates drawn at random?)")
     return Plan("resume", saved["epoch"], saved.get("step", 0))
 
 

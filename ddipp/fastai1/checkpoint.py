@@ -35,6 +35,7 @@ class Checkpoint(LearnerCallback):
         self.keep = check_keep(keep)  # the files that stay: name.pth, name.1.pth, ...
         self.every_steps = check_every_steps(every_steps)
         self.fit_callbacks = []  # the fit's callbacks, as a launched learner's fit tells them (their schedules jump)
+        self.fit_lrs = None  # the fit's learning rates, as a launched learner's fit tells them
         self.from_batch, self.start_rngs, self.step_rngs = 0, None, None  # the epoch a mid-epoch file resumes
         self.epoch_rngs, self.due = None, False
         self.identity = None  # this fit's (ddipp.core.resume.next_fit), from its start to its end
@@ -45,7 +46,7 @@ class Checkpoint(LearnerCallback):
     def skips(self, n_epochs: int) -> bool:
         """Called by a launched learner's fit before fastai's, after an elastic restart: True if this fit is one the
         run finished (the state it ended with loaded when it is the file's fit), else the fit runs as planned."""
-        self.identity, self.n_epochs = resume.next_fit(), n_epochs
+        self.identity, self.n_epochs = dict(resume.next_fit(), lrs=self.fit_lrs), n_epochs
         self.saved = torch.load(self.path, map_location="cpu", weights_only=True) if self.path.exists() else None
         self.plan = resume.plan(self.saved, self.identity, n_epochs, len(self.learn.data.train_ds), self.path)
         line = resume.say(self.plan, self.identity["fit"], self.path)
@@ -69,7 +70,7 @@ class Checkpoint(LearnerCallback):
         if pbar is None:  # Learner.validate()
             return None
         if self.identity is None:
-            self.identity, self.n_epochs = resume.next_fit(), n_epochs
+            self.identity, self.n_epochs = dict(resume.next_fit(), lrs=self.fit_lrs), n_epochs
         if self.plan.action != "resume":
             return None
         if self.plan.epoch == 0:  # a file written in the first epoch: fastai jumps to no epoch
@@ -134,7 +135,7 @@ class Checkpoint(LearnerCallback):
         if isinstance(self.learn.data.train_dl, FromBatch):  # a fit that ended in its resumed epoch
             self.learn.data.train_dl = self.learn.data.train_dl.dl
         self.identity, self.plan, self.saved = None, resume.Plan("run"), None
-        self.from_batch, self.fit_callbacks = 0, []
+        self.from_batch, self.fit_callbacks, self.fit_lrs = 0, [], None
 
     def jump_to_epoch(self, epoch: int) -> None:
         self._load(self.saved if self.plan.action == "resume" else read_checkpoint(self.path, epoch))

@@ -4,6 +4,8 @@ from functools import partial, wraps
 from types import MethodType
 from typing import Optional, Sequence
 
+import numpy as np
+
 from fastai.basic_train import Learner
 from fastai.callback import AverageMetric, Callback
 from fastai.core import defaults, ifnone, listify
@@ -105,6 +107,7 @@ def _fit(self, epochs, lr=defaults.lr, wd=None, callbacks=None):
     checkpoints = [cb for cb in listify(callbacks) + listify(self.callbacks) if isinstance(cb, Checkpoint)]
     for checkpoint in checkpoints:
         checkpoint.fit_callbacks = listify(callbacks) + listify(self.callbacks)
+        checkpoint.fit_lrs = [float(v) for v in np.ravel(self.lr_range(lr))]  # a restarted fit must run at the same
     if checkpoints and restart_count() > 0 and checkpoints[0].skips(epochs):
         return None
     return type(self).fit(self, epochs, lr, wd, callbacks)

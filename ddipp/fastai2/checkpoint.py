@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from fastai.callback.core import Callback, CancelFitException
+from fastai.callback.schedule import ParamScheduler
 from fastai.callback.training import GradientAccumulation
 from fastai.learner import SkipToEpoch
 from fastai.torch_core import to_device
@@ -49,7 +50,7 @@ class Checkpoint(Callback):
         self.after_fit()  # a SkipToEpoch a fit that raised left
         self.resuming = any(isinstance(cb, SkipToEpoch) for cb in self.learn.cbs)  # fit(..., start_epoch=k), k > 0
         self.epoch_ran, self.saved, self.due, self.from_batch = False, None, False, 0
-        self.identity = resume.next_fit() if self.run else None
+        self.identity = dict(resume.next_fit(), lrs=_lrs(self.learn)) if self.run else None
         if self.run and self.every_steps and self.learn.recorder.train_metrics:
             raise ValueError(f"Checkpoint(every_steps={self.every_steps}) cannot resume the training metrics of "
                              "Recorder(train_metrics=True) in the middle of an epoch: drop every_steps, or "
@@ -159,6 +160,14 @@ class Checkpoint(Callback):
         """The seed ddipp draws this fit's training order with, when the fit is distributed."""
         ddp = distributed_fit(self.learn)
         return ddp.shard.order.seed if ddp is not None else None
+
+
+def _lrs(learn) -> list:
+    """The learning rates a fit runs at (a restarted script's fit must run at the same): its schedules' at the start,
+    middle and end, or the optimizer's."""
+    schedules = [cb.scheds["lr"] for cb in learn.cbs if isinstance(cb, ParamScheduler) and "lr" in cb.scheds]
+    values = [f(pct) for f in schedules for pct in (0.0, 0.5, 1.0)] or [h["lr"] for h in learn.opt.hypers]
+    return [float(v) for value in values for v in np.ravel(np.asarray(value, dtype=float))]
 
 
 def _accumulating(learn) -> bool:

@@ -31,9 +31,13 @@ def test_a_file_of_another_launch_or_none_starts_from_scratch(file_state):
 
 
 def test_another_schedule_or_script_is_refused_with_what_differs():
-    with pytest.raises(ValueError, match=r"holds fit 2 of this launch, 4 epochs over a training set of size 20, and "
-                                         r"the restarted script's fit 2 has 5 over 20"):
+    with pytest.raises(ValueError, match=r"holds fit 2 of this launch, 4 epochs over a training set of size 20 at "
+                                         r"learning rates None, and the restarted script's fit 2 has 5 over 20 at "
+                                         r"None"):
         resume.plan(saved(2, 3), identity(2), 5, 20, FILE)
+    with pytest.raises(ValueError, match=r"4 epochs over a training set of size 20 at learning rates \[0\.01\], and "
+                                         r"the restarted script's fit 2 has 4 over 20 at \[0\.001\]"):
+        resume.plan(dict(saved(2, 3), lrs=[1e-2]), dict(identity(2), lrs=[1e-3]), 4, 20, FILE)
     with pytest.raises(ValueError, match=r"written by /x/train\.py in this launch, and /x/other\.py reads it"):
         resume.plan(saved(2, 3), identity(2, script="/x/other.py"), 4, 20, FILE)
 
