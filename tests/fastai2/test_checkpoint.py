@@ -224,7 +224,7 @@ def test_every_steps_refuses_a_recorder_with_training_metrics(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_two_node_launch_resumes_by_itself_when_a_rank_of_one_node_dies(tmp_path):
+def test_a_two_node_launch_resumes_from_the_last_whole_checkpoint_when_a_rank_dies_writing_one(tmp_path):
     worker = Path(__file__).parent / "workers" / "nodes_worker.py"
     said = launch_restartable(worker, tmp_path / "killed", "kill", nodes=2)
     launch_restartable(worker, tmp_path / "whole", "whole")
@@ -235,6 +235,7 @@ def test_a_two_node_launch_resumes_by_itself_when_a_rank_of_one_node_dies(tmp_pa
         assert close(killed["history"], whole["history"], tol=1e-6)
     models = tmp_path / "killed" / "work" / "models"
     assert f"ddipp: restart 1: fit 1 resumed after epoch 1 and 10 batches of epoch 2 from {models}" in said
+    assert [p.name for p in models.iterdir()] == ["checkpoint.pth"]  # the half-written file was swept
 
 
 @pytest.mark.slow
