@@ -108,6 +108,15 @@ def launch_restartable(script: Path, out: Path, mode: str, nodes: int = 1) -> st
     return said[0]
 
 
+def check_restart_said(said, models: Path) -> None:
+    """What a notebook says (`said`: capsys's) of its second fit, whose rank 1 died 4 batches after the checkpoint of
+    batch 9 of epoch 1 in `models`, restarted once and resumed."""
+    assert "ddipp: ddipp worker rank 1 (pid " in said.err and ") was killed by SIGKILL;" in said.err
+    assert "ddipp: restart 1 of 1: a new group runs the fit again, from its Checkpoint if it has one" in said.err
+    assert f"ddipp: restart 1: fit 2 resumed after epoch 1 and 10 batches of epoch 2 from {models}" in said.out
+    assert "ddipp: the fit completed after 1 restart (new groups started in " in said.out
+
+
 @contextlib.contextmanager
 def launched_beside(args: list, out: Path, **env: str):
     """`python -m ddipp.launch --nproc 2 *args` started in the background (its stderr to OUT/stderr.txt, `env` set),

@@ -9,6 +9,7 @@ import torch
 from . import dist as ddist
 from .files import save_atomic
 from .resume import progress
+from .sharding import LoaderView
 
 
 def check_keep(keep: int) -> int:
@@ -62,13 +63,14 @@ def read_checkpoint(path: Path, start_epoch: int) -> dict:
     return state
 
 
-class FromBatch:
+class FromBatch(LoaderView):
     """The loader `dl` from its batch `start` on, for the epoch a mid-epoch checkpoint resumes: the batches before it
     are read and dropped (the loader's order, workers and augmentation draws go as they went), then `at_start()` runs
     (it puts back the generators of that moment), then the rest is yielded. Its length and attributes are `dl`'s."""
 
     def __init__(self, dl, start: int, at_start: Callable[[], None]):
-        self.dl, self.start, self.at_start = dl, start, at_start
+        super().__init__(dl)
+        self.start, self.at_start = start, at_start
 
     def __iter__(self):
         batches = iter(self.dl)
@@ -76,11 +78,3 @@ class FromBatch:
             next(batches)
         self.at_start()
         yield from batches
-
-    def __len__(self) -> int:
-        return len(self.dl)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "dl":
-            raise AttributeError(name)
-        return getattr(self.dl, name)

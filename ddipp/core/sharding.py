@@ -60,6 +60,25 @@ class ShardedSampler(Sampler):
         return len(self.sampler) // self.world_size
 
 
+class LoaderView:
+    """The loader `dl` seen through another object: its batches, its length and its attributes, for a subclass to
+    change one of them."""
+
+    def __init__(self, dl):
+        self.dl = dl
+
+    def __iter__(self):
+        return iter(self.dl)
+
+    def __len__(self) -> int:
+        return len(self.dl)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "dl":
+            raise AttributeError(name)
+        return getattr(self.dl, name)
+
+
 def global_batches(order: Sequence[int], bs: int, world_size: int) -> List[List[int]]:
     """The global batches of `order` (a ShardedSampler's global order) when each rank reads its shard in batches of
     `bs`: global batch k holds batch k of every rank, the items one process with batch N x bs reads at its step k."""

@@ -13,7 +13,8 @@ from fastai.text.data import LMDataLoader, SortedDL
 from fastai.torch_core import apply, to_detach
 
 from ..core.dist import loader_workers
-from ..core.sharding import ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler, global_batches
+from ..core.sharding import (LoaderView, ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler,
+                              global_batches)
 
 
 class LoaderOrder:
@@ -206,25 +207,11 @@ def splittable(dl) -> bool:
     return isinstance(dl, DataLoader) and dl.bs is not None and dl.indexed and dl.n is not None
 
 
-class WholeEvalDL:
+class WholeEvalDL(LoaderView):
     """The loader `dl` as it is, evaluated whole on this rank, with a `to_detach` that does not gather across ranks.
 
     fastai gathers every metric's values across ranks when WORLD_SIZE > 1; a rank that evaluates the whole set alone
     (outside a fit, or a loader that cannot be split) must not wait for the others, nor count their copies."""
-
-    def __init__(self, dl):
-        self.dl = dl
-
-    def __iter__(self):
-        return iter(self.dl)
-
-    def __len__(self) -> int:
-        return len(self.dl)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "dl":
-            raise AttributeError(name)
-        return getattr(self.dl, name)
 
     def to_detach(self, b, cpu: bool = True, gather: bool = True):
         return to_detach(b, cpu, gather=False)
