@@ -13,7 +13,7 @@ from fastai.tabular import Categorify, Normalize, TabularDataBunch, tabular_lear
 from fastai.vision import ImageDataBunch, ImageList
 
 import ddipp
-from beyond import KillRank1, StopAt, ckpt_learner, resume_story
+from beyond import DieWriting, KillRank1, StopAt, ckpt_learner, resume_story
 from conftest import check_restart_said, image_folder, launch_restartable, tiny_cnn
 from ddipp.core.files import save_atomic
 from ddipp.core.rng import seed_all
@@ -161,13 +161,15 @@ def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_sto
 @pytest.mark.slow
 def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_are_asked(tmp_path, capsys):
     def fit(name: str, *cbs) -> Learner:
-        learn = digits_learner(digits_data(tmp_path, bs=16, shuffle=True)).to_ddp(nprocs=2, restarts=1)
+        learn = digits_learner(digits_data(tmp_path, bs=16, shuffle=True)).to_ddp(nprocs=2, restarts=2)
         seed_all(0)
         learn.fit_one_cycle(3, 1e-2, callbacks=[ddipp.Checkpoint(learn, name, every_steps=6),
                                                 *[cb(learn) for cb in cbs]])
         return learn
     whole = fit("whole")
-    killed = fit("cut", partial(KillRank1, epoch=1, batch=13))  # 4 batches after the checkpoint of batch 9
+    # rank 1 dies before the first checkpoint (the fit runs again from the start), then rank 0 while it writes the
+    # checkpoint of batch 15 of epoch 1 (the fit resumes from the one of batch 9)
+    killed = fit("cut", partial(KillRank1, epoch=0, batch=3), partial(DieWriting, epoch=1, step=16, attempt=1))
     said = capsys.readouterr()
     assert max_diff(params(killed), params(whole)) <= 1e-6
     assert close(history(killed), history(whole), tol=1e-6)

@@ -5,6 +5,8 @@ import weakref
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 
+import torch
+
 from ..ddp import say_global_batch
 from .group import WorkerDied, WorkerGroup, _groups, group_for
 
@@ -73,10 +75,13 @@ def fit_on_group(learn: Any, data: Any, call: Callable[[AbstractSet[str]], bytes
     keeps what was trained up to the failure (`kept()`: its epoch and step, said) or, if nothing was, leaves the learner
     as it was (`untrained()` then does what a local fit that failed would); an interrupted one raises
     KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit. A fit whose worker died runs again on
-    a new group, the restart of the last (a Checkpoint in the fit resumes it), up to the binding's `restarts` times."""
+    a new group, the restart of the last, with the same seed (a Checkpoint in the fit resumes it), up to the binding's
+    `restarts` times."""
     group, restarts, lost = group_of(learn), 0, 0.0
+    generator = torch.get_rng_state()  # what the call draws its seed from: a restart draws the same
     while True:
         try:
+            torch.set_rng_state(generator)
             results, interrupted = group.fit(data, call(group.held), learn.ddp.options, mirror)
             break
         except BaseException as e:

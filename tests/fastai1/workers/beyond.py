@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddipp
 from ddipp.core.resume import restart_count
+from dying_write import die_writing
 from core_story import mean_cov, moment_sums, pairwise_loss, sq_distances
 from scenario import digits_data, digits_learner, history, params
 
@@ -134,6 +135,18 @@ class KillRank1(LearnerCallback):
     def on_batch_end(self, train, epoch, num_batch, **kwargs):
         if train and (epoch, num_batch) == self.at and ddipp.rank() == 1 and restart_count() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DieWriting(LearnerCallback):
+    """Kills rank 0 (SIGKILL) while it writes the Checkpoint file of the state after `epoch` epochs and `step` batches,
+    in a group's attempt `attempt` only (dying_write)."""
+
+    def __init__(self, learn, epoch: int, step: int, attempt: int):
+        super().__init__(learn)
+        self.at = dict(epoch=epoch, step=step, attempt=attempt)
+
+    def on_train_begin(self, **kwargs):
+        die_writing(**self.at)
 
 
 def ckpt_learner(path, seed=0) -> Learner:

@@ -1,8 +1,9 @@
 """Launched on 2 ranks with --max-restarts 5 by tests/fastai1/test_checkpoint.py: four fits with a Checkpoint (2
 epochs; a 4-epoch one-cycle fit; 1 epoch; a 3-epoch one-cycle fit checkpointed every 6 batches too). With `kill`, rank 1
 kills itself (SIGKILL) in each of the first 5 attempts (KILLS: before the first checkpoint, in the middle of fit 2, in
-fit 3 after fit 2 ended, in fit 4 2 and 4 batches after a mid-epoch checkpoint in its epochs 0 and 1), and torch
-elastic restarts the group each time. Saves each rank's weights, recorder and restart count in OUT/rank{r}.pt."""
+fit 3 after fit 2 ended, in fit 4 4 batches after a mid-epoch checkpoint in its epoch 1) but the fourth, where rank 0
+dies writing fit 4's checkpoint of batch 17 of epoch 0, and torch elastic restarts the group each time. Saves each
+rank's weights, recorder and restart count in OUT/rank{r}.pt."""
 import os
 import signal
 import sys
@@ -15,12 +16,13 @@ torch.set_num_threads(1)
 import ddipp  # noqa: E402
 from ddipp.core.resume import restart_count  # noqa: E402
 from fastai.basic_train import LearnerCallback  # noqa: E402
+from dying_write import die_writing  # noqa: E402
 from scenario import digits_data, digits_learner, history, params  # noqa: E402
 
 out, kill = Path(sys.argv[1]), sys.argv[2] == "kill"
-# attempt (elastic's restart count) -> (fit, epoch, batch) it dies after; fit 4 wrote after batch 11 of epoch 0 (its
-# 12th batch) and after batch 9 of epoch 1 (its 54th)
-KILLS = {0: (1, 0, 3), 1: (2, 2, 3), 2: (3, 0, 3), 3: (4, 0, 13), 4: (4, 1, 13)}
+# attempt (elastic's restart count) -> (fit, epoch, batch) rank 1 dies after; fit 4 writes every 6 batches: after batch
+# 11 of epoch 0 (its 12th batch), and after batch 9 of epoch 1 (its 54th)
+KILLS = {0: (1, 0, 3), 1: (2, 2, 3), 2: (3, 0, 3), 4: (4, 1, 13)}
 fit, histories = 0, {}  # the fit running; each fit's recorder after it
 
 
@@ -30,6 +32,8 @@ class KillRank1(LearnerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+if kill:
+    die_writing(epoch=0, step=18, attempt=3)  # the checkpoint after batch 17 of fit 4's epoch 0
 learn = digits_learner(digits_data(out / "work", bs=16, shuffle=True)).to_ddp()
 for fit, (run, checkpoint) in enumerate([
         (lambda cbs: learn.fit(2, 1e-2, callbacks=cbs), ddipp.Checkpoint(learn)),

@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 import ddipp
 from ddipp.core.resume import restart_count
+from dying_write import die_writing
 
 N_VALID = 359  # digits' validation items: odd, so the ranks' shares differ
 
@@ -154,6 +155,17 @@ class KillRank1(Callback):
     def after_batch(self):
         if self.training and (self.epoch, self.iter) == self.at and ddipp.rank() == 1 and restart_count() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DieWriting(Callback):
+    """Kills rank 0 (SIGKILL) while it writes the Checkpoint file of the state after `epoch` epochs and `step` batches,
+    in a group's attempt `attempt` only (dying_write)."""
+
+    def __init__(self, epoch: int, step: int, attempt: int):
+        self.at = dict(epoch=epoch, step=step, attempt=attempt)
+
+    def before_fit(self):
+        die_writing(**self.at)
 
 
 def ckpt_learner(path, seed: int = 0) -> Learner:

@@ -2,8 +2,6 @@
 3-epoch one-cycle fit checkpointed every 6 batches too. With `kill`, rank 0 (node 0's) kills itself (SIGKILL) in the
 first attempt while it writes the checkpoint of batch 15 of epoch 1 (its temporary file half written), and torch
 elastic restarts the ranks of both nodes. Saves each rank's weights, recorder and restart count in OUT/rank{r}.pt."""
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -12,25 +10,13 @@ import torch
 torch.set_num_threads(1)
 
 import ddipp  # noqa: E402
-import ddipp.core.checkpoint  # noqa: E402
-from ddipp.core.files import replacing  # noqa: E402
 from ddipp.core.resume import restart_count  # noqa: E402
+from dying_write import die_writing  # noqa: E402
 from fit_story import digits_dls, digits_learner, history, params  # noqa: E402
 
 out, kill = Path(sys.argv[1]), sys.argv[2] == "kill"
-save_atomic = ddipp.core.checkpoint.save_atomic
-
-
-def dying_save(state: dict, path: Path) -> None:
-    if kill and restart_count() == 0 and (state["epoch"], state["step"]) == (1, 16):
-        with replacing(path) as f:
-            f.write(b"half a checkpoint")
-            f.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-    save_atomic(state, path)
-
-
-ddipp.core.checkpoint.save_atomic = dying_save  # what Checkpoint's write_checkpoint calls
+if kill:
+    die_writing(epoch=1, step=16, attempt=0)
 learn = digits_learner(digits_dls(bs=16, shuffle=True), out / "work").to_ddp()
 learn.fit_one_cycle(3, 1e-2, cbs=ddipp.Checkpoint(every_steps=6))
 torch.save(dict(params=params(learn), history=history(learn), restarts=restart_count()), out / f"rank{ddipp.rank()}.pt")
