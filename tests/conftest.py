@@ -109,8 +109,9 @@ def launch_restartable(script: Path, out: Path, mode: str, nodes: int = 1) -> st
 
 
 def check_restart_said(said, models: Path) -> None:
-    """What a notebook says (`said`: capsys's) of its second fit, whose rank 1 died before its first checkpoint and
-    rank 0 as it wrote the checkpoint after batch 15 of epoch 1 in `models`: two restarts, then it resumed."""
+    """What a notebook says (`said`: capsys's) of the second fit of a new group, whose rank 1 died before its first
+    checkpoint and rank 0 as it wrote the checkpoint after batch 15 of epoch 1 in `models`: two restarts, then it
+    resumed."""
     assert re.search(r"ddipp: ddipp worker rank 1 \(pid \d+, cpu\) was killed by SIGKILL;", said.err)
     assert re.search(r"ddipp: ddipp worker rank 0 \(pid \d+, cpu\) was killed by SIGKILL;", said.err)
     for k in (1, 2):

@@ -16,6 +16,7 @@ import ddipp
 from beyond import DieWriting, KillRank1, StopAt, ckpt_learner, resume_story
 from conftest import check_restart_said, image_folder, launch_restartable, tiny_cnn
 from ddipp.core.files import save_atomic
+from ddipp.core.group.group import shutdown
 from ddipp.core.rng import seed_all
 from compare import TOL, close, max_diff
 from scenario import digits_data, digits_learner, history, params
@@ -160,6 +161,7 @@ def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_sto
 
 @pytest.mark.slow
 def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_are_asked(tmp_path, capsys):
+    shutdown()  # a new group: its first attempt, its fits numbered from 1 (an earlier test may have left one)
     def fit(name: str, *cbs) -> Learner:
         learn = digits_learner(digits_data(tmp_path, bs=16, shuffle=True)).to_ddp(nprocs=2, restarts=2)
         seed_all(0)

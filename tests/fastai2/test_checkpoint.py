@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddipp
+from ddipp.core.group.group import shutdown
 from ddipp.core.rng import seed_all
 
 from conftest import check_restart_said, image_folder, launch_restartable, tiny_cnn
@@ -240,6 +241,7 @@ def test_a_two_node_launch_resumes_from_the_last_whole_checkpoint_when_a_rank_di
 
 @pytest.mark.slow
 def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_are_asked(tmp_path, capsys):
+    shutdown()  # a new group: its first attempt, its fits numbered from 1 (an earlier test may have left one)
     def fit(name: str, *cbs) -> Learner:
         learn = digits_learner(digits_dls(bs=16, shuffle=True), tmp_path).to_ddp(nprocs=2, restarts=2)
         seed_all(0)
