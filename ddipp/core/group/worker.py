@@ -67,9 +67,6 @@ class Worker:
 
     def serve(self) -> None:
         self.send((READY, os.getpid()))
-        # What the first fit's DDP would import (its constructor reads a torch._dynamo setting: about 900 modules, 1-2
-        # s), imported while the notebook's user works: a fit sent meanwhile waits for it on the socket.
-        import torch._dynamo  # noqa: F401
         while True:
             try:
                 command, *args = receive(self.conn)

@@ -47,15 +47,6 @@ def summed(data, device):
     return dist.get_rank(), dist.get_world_size(), total
 
 
-def dynamo_imported(data, device):
-    return "torch._dynamo" in sys.modules
-
-
-def test_workers_import_what_the_first_ddp_imports_before_the_first_fit():
-    group = group_for(CPU2, 60, FITTING)
-    assert fit(group, dynamo_imported)  # torch's DDP constructor imports torch._dynamo: ready before the fit
-
-
 def fail_on_rank1(data, device):
     """One all-reduce, then rank 1 raises while rank 0 waits in the next one."""
     summed(data, device)
