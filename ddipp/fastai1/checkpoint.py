@@ -111,9 +111,7 @@ class Checkpoint(LearnerCallback):
             self._write(epoch, num_batch + 1, iteration + 1)
 
     def on_epoch_end(self, epoch: int, iteration: int, **kwargs):
-        if isinstance(self.learn.data.train_dl, FromBatch):
-            self.learn.data.train_dl = self.learn.data.train_dl.dl
-            self.from_batch = 0
+        self._end_resumed_epoch()
         self._write(epoch + 1, 0, iteration)
         if self.plan.action == "resume" and epoch + 1 >= self.n_epochs:  # a plain fit has no schedule that stops it
             return {"stop_training": True}
@@ -132,10 +130,15 @@ class Checkpoint(LearnerCallback):
                              self.path, self.keep)
 
     def on_train_end(self, **kwargs) -> None:
-        if isinstance(self.learn.data.train_dl, FromBatch):  # a fit that ended in its resumed epoch
-            self.learn.data.train_dl = self.learn.data.train_dl.dl
+        self._end_resumed_epoch()  # a fit that ended in its resumed epoch
         self.identity, self.plan, self.saved = None, resume.Plan("run"), None
-        self.from_batch, self.fit_callbacks, self.fit_lrs = 0, [], None
+        self.fit_callbacks, self.fit_lrs = [], None
+
+    def _end_resumed_epoch(self) -> None:
+        """The training loader as it was before a mid-epoch file's epoch wrapped it (FromBatch), once it ended."""
+        if isinstance(self.learn.data.train_dl, FromBatch):
+            self.learn.data.train_dl = self.learn.data.train_dl.dl
+        self.from_batch = 0
 
     def jump_to_epoch(self, epoch: int) -> None:
         self._load(self.saved if self.plan.action == "resume" else read_checkpoint(self.path, epoch))
