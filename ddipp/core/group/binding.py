@@ -91,6 +91,7 @@ def fit_on_group(learn: Any, data: Any, call: Callable[[AbstractSet[str]], bytes
                       "group runs the fit again, from its Checkpoint if it has one", file=sys.stderr, flush=True)
                 failed = time.monotonic()
                 group = group_of(learn, after=group)
+                group.wait_ready()
                 lost += time.monotonic() - failed
                 continue
             _failed(group, apply_results, kept, untrained)

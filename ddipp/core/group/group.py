@@ -1,7 +1,8 @@
 """The notebook's persistent group of worker processes: start, run a fit on it, report failures, stop.
 
-Workers are fresh interpreters (never a fork of the kernel, so a kernel that already used CUDA is fine),
-each in its own session so that a terminal's Ctrl-C reaches the notebook only, which then stops them all.
+Workers are fresh interpreters (never a fork of the kernel, so a kernel that already used CUDA is fine), started in
+the background (the first fit waits until they are ready), each in its own session so that a terminal's Ctrl-C
+reaches the notebook only, which then stops them all.
 The notebook hosts the rendezvous store, on loopback, for the group's life (the ranks meet there again after a
 failed fit); each worker talks to the notebook over a private socket. A fit that fails keeps what rank 0 trained up to
 its last completed step, if rank 0 lives to send it; the workers stay when every rank ended its fit and lives (they
@@ -82,21 +83,19 @@ class WorkerGroup:
         self.failed_rank = None  # the rank whose error the last failed command raised
         self.errors = {}  # rank -> (blame, error) of the ranks that failed, while `_collect` serves a command
         self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
-        started = time.monotonic()
+        self.started, self.ready = time.monotonic(), False
         envs = [worker_env(rank, devices, timeout, self.store.port, fitting, self.attempt)
                 for rank in range(len(devices))]
         if len(devices) > 1:
             print(f"ddipp: {ddist.cores_shared(len(devices), envs[0]['OMP_NUM_THREADS'])}", flush=True)
-        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} ...", end="", flush=True)
+        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} in the background (the first fit waits "
+              "for them)", flush=True)
         try:
             for rank, env in enumerate(envs):
                 self._spawn(rank, env)
-            self._collect(READY, deadline=started + START_TIMEOUT, late=self._not_started)
         except BaseException:
-            print(" failed", flush=True)
             self.kill()
             raise
-        print(f" ready in {time.monotonic() - started:.1f} s", flush=True)
 
     @property
     def alive(self) -> bool:
@@ -118,6 +117,7 @@ class WorkerGroup:
         """Run one fit on every rank, replaying rank 0's progress events on `mirror` (called with each event's name
         and arguments; `mirror.interrupt()` when a fit is interrupted): rank 0's results and whether an interrupt
         stopped the fit (every rank after the same step; what was trained comes back all the same)."""
+        self.wait_ready()
         interrupted, self.trained, self.unanswered = False, None, set(range(len(self.conns)))
         self.fits += 1
         try:
@@ -144,6 +144,20 @@ class WorkerGroup:
                 mirror.interrupt()
             raise
         return results, interrupted
+
+    def wait_ready(self) -> None:
+        """Wait until every worker started (imported torch and the adapter, joined the store) unless they did; a
+        worker that failed to, or none in START_TIMEOUT seconds, stops the group and raises."""
+        if self.ready:
+            return
+        try:
+            self._collect(READY, deadline=self.started + START_TIMEOUT, late=self._not_started)
+        except BaseException:
+            print("ddipp: the workers did not start", file=sys.stderr, flush=True)
+            self.kill()
+            raise
+        self.ready = True
+        print(f"ddipp: workers ready in {time.monotonic() - self.started:.1f} s", flush=True)
 
     def _leave(self) -> None:
         """After a failed fit: every rank leaves its process group (those the failure did not reach too), so all
@@ -222,7 +236,7 @@ class WorkerGroup:
             grace_ends = grace_ends or (time.monotonic() + PEER_GRACE if self.errors else None)
             if grace_ends is not None and time.monotonic() > grace_ends:
                 break
-            if deadline is not None and time.monotonic() > deadline and not self.errors:
+            if pending and deadline is not None and time.monotonic() > deadline and not self.errors:
                 raise late()
 
     def _on_ready(self, rank: int, pid: int) -> None:

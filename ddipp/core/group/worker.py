@@ -1,8 +1,9 @@
 """A worker of the notebook's group: one rank, started by `WorkerGroup`, running the fits the notebook sends.
 
-It joins the process group once (paying the torch/fastai import once), then serves commands on the socket
-it inherited, each a method here (`messages` names them). A fit runs in the adapter's fitting module, named in
-FITTING_ENV (`adapter.Fitting`); rank 0 relays its progress bars and prints while it fits; a fit that fails sends rank
+It joins the process group once (paying the torch/fastai import once), says it is ready, imports in a thread what the
+first fit's DDP would (while the notebook's user works), and serves commands on the socket it inherited, each a
+method here (`messages` names them). A fit runs in the adapter's fitting module, named in FITTING_ENV
+(`adapter.Fitting`); rank 0 relays its progress bars and prints while it fits; a fit that fails sends rank
 0's results as of its last completed step, then the error, and leaves the process group. SIGUSR1 asks a fit to stop
 (every rank stops after the same step). It exits when the notebook's process dies.
 """
@@ -67,6 +68,7 @@ class Worker:
 
     def serve(self) -> None:
         self.send((READY, os.getpid()))
+        threading.Thread(target=_import_what_ddp_imports, daemon=True, name="ddipp-warm-up").start()
         while True:
             try:
                 command, *args = receive(self.conn)
@@ -111,6 +113,12 @@ class Worker:
         up first: torch 2.4's gloo, destroyed with a collective in flight (DDP's), waits for it with no end."""
         _hang_up(int(os.environ["MASTER_PORT"]))
         dist.leave()
+
+
+def _import_what_ddp_imports() -> None:
+    """Import, while the notebook's user works, what the first fit's DDP constructor would: torch._dynamo (about 900
+    modules, 1.5-2 s of a core), read for a setting whatever the model; a fit that comes sooner waits for it there."""
+    import torch._dynamo  # noqa: F401
 
 
 def _hang_up(store_port: int) -> None:

@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import cloudpickle
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddipp.core.group.group import WorkerError, _groups, group_for, shutdown
+from ddipp.core.group.group import START_TIMEOUT, WorkerError, _groups, group_for, shutdown
 from ddipp.core.store import loopback_listener, loopback_store
 
 CPU2 = ("cpu", "cpu")
@@ -152,6 +153,31 @@ def _refused_from_outside(ports: list) -> None:
     for port in ports:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((outside[0], port), timeout=5).close()
+
+
+@pytest.mark.slow  # starts a worker group
+def test_workers_start_in_the_background_and_the_first_fit_waits_for_them(tmp_path, monkeypatch, capsys):
+    """The group returns while its workers start (to_ddp's cell returns at once); a fit waits for them, then runs."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("DDIPP_TEST_GATE", str(gate))
+    monkeypatch.setattr("ddipp.core.group.group.START_TIMEOUT", 30)  # waiting for the workers here fails in 30 s
+    group = group_for(CPU2, 60, "gated_fitting")  # tests/core/workers/gated_fitting.py: ready once `gate` exists
+    assert group.alive and not group.ready
+    gate.touch()
+    rank, world, total = fit(group, summed)
+    assert (rank, world, total.tolist()) == (0, 2, [3.0, 5.0, 7.0, 9.0])
+    out = capsys.readouterr().out
+    assert "in the background (the first fit waits for them)" in out and "ddipp: workers ready in" in out
+
+
+@pytest.mark.slow  # starts a worker group
+def test_a_first_fit_long_after_the_workers_started_finds_them_ready():
+    """A fit called past START_TIMEOUT after to_ddp reads the workers' ready, sent long before, as on time."""
+    group = group_for(CPU2, 60, FITTING)
+    for conn in group.conns:
+        wait([conn])  # its ready waits to be read
+    group.started -= 2 * START_TIMEOUT  # as if to_ddp had been called 10 minutes ago
+    assert fit(group, summed)[1] == 2
 
 
 @pytest.mark.slow  # starts a worker group

@@ -79,6 +79,7 @@ def _failing_fit(learn, callback, error, timeout=None):
     """Fit with `callback` attached: the error raised, the seconds it took, whether the weights were kept."""
     before = params(learn)
     learn.callback_fns.append(callback)
+    _groups[CPU2].wait_ready()  # timed from the workers' readiness: they start in the background
     started = time.monotonic()
     with pytest.raises(error) as raised:
         learn.fit(2, 1e-2)
@@ -156,6 +157,7 @@ def test_an_exception_surfaces_as_itself_long_before_the_timeout_whatever_the_ca
         learn.to_ddp(nprocs=2, timeout=60, lr_find_mode="distributed")
         before = params(learn)
         learn.callback_fns.append(FailOnRank1InSweep)
+        _groups[CPU2].wait_ready()
         started = time.monotonic()
         with pytest.raises(ValueError) as raised:
             learn.lr_find(num_it=40)
