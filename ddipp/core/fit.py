@@ -7,19 +7,25 @@ import torch.distributed as dist
 from . import dist as ddist
 
 
-def global_loss_and_stop(loss: torch.Tensor, summed: bool, world_size: int,
-                         split_sizes: Optional[List[int]] = None) -> tuple[torch.Tensor, bool]:
+class LossAndStop:
     """The loss of the global batch from this rank's `loss` (float32; a summed loss adds up, a mean averages), and
-    whether any rank asked to stop: one all-reduce, so every rank stops after this same step. Under split_batches
-    (`split_sizes`: each rank's items of the global batch) each rank's mean loss counts by its share."""
-    if split_sizes is None:
-        mine = loss.detach().float() / (1 if summed else world_size)
-    else:
-        mine = loss.detach().float() * split_weight(split_sizes, summed) / world_size
-    loss_and_stop = torch.stack([mine, loss.new_tensor(ddist.stop_requested()).float()])
-    dist.all_reduce(loss_and_stop)
-    total, stop = loss_and_stop
-    return total, bool(stop)
+    whether any rank asked to stop, in one all-reduce started now (after a step's loss) and read by `result()` (after
+    its optimizer step), so that it runs while backward and the step do; every rank stops after this same step. Under
+    split_batches (`split_sizes`: each rank's items of the global batch) each rank's mean loss counts by its share."""
+
+    def __init__(self, loss: torch.Tensor, summed: bool, world_size: int, split_sizes: Optional[List[int]] = None):
+        if split_sizes is None:
+            mine = loss.detach().float() / (1 if summed else world_size)
+        else:
+            mine = loss.detach().float() * split_weight(split_sizes, summed) / world_size
+        self.summed = torch.stack([mine, loss.new_tensor(ddist.stop_requested()).float()])
+        self.work = dist.all_reduce(self.summed, async_op=True)
+
+    def result(self) -> tuple[torch.Tensor, bool]:
+        """The global batch's loss and whether to stop, once the all-reduce ended."""
+        self.work.wait()
+        total, stop = self.summed
+        return total, bool(stop)
 
 
 def split_weight(sizes: List[int], summed: bool) -> float:

@@ -27,7 +27,7 @@ from ..core import dist as ddist
 from ..core.sharding import pad_to_longest, shared_seed, unshard
 from ..core.ddp import LR_FIND_MODES, check_split, wrap
 from ..core.files import UnnamedFile
-from ..core.fit import global_loss_and_stop, meet_at_end, split_weight
+from ..core.fit import LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
 from ..core.syncbn import has_batchnorm
 from .loaders import repeat_passes, shard_eval_loader, shard_train_loader, split_train_loader
@@ -62,6 +62,8 @@ class DistributedCallback(LearnerCallback):
         self.smoother = SmoothenValue(0.98)
         self.summed_loss = False  # the loss function sums over the batch (else it averages)
         self.global_loss = None  # the loss of the global batch at the current step
+        self.step_loss = None  # the LossAndStop of the training step running, until its result is taken
+        self.losses_recorded = 0  # the recorder's losses before the training step running
 
     def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
         if pbar is None or not ddist.init():  # Learner.validate() (no bar, no on_train_end), or not launched
@@ -101,7 +103,7 @@ class DistributedCallback(LearnerCallback):
     def undistribute(self) -> None:
         """Put back the plain model and the original loaders; the rest of the fit runs as one process."""
         self.undo.close()
-        self.distributed = False
+        self.distributed, self.step_loss = False, None
 
     def read_passes(self, passes: int) -> None:
         """Each epoch of this fit reads the shard `passes` times, each pass in a new order (`RepeatedBatches`)."""
@@ -132,29 +134,58 @@ class DistributedCallback(LearnerCallback):
             return {"last_output": unshard(last_output, self.eval_batches.sizes(self.valid_batch))}
 
     def on_backward_begin(self, last_loss, last_input, **kwargs):
-        """The global batch's loss, and any rank's stop, in one all-reduce. Under split_batches this rank's loss is
-        weighted by its share of the batch before backward, and AccumulateScheduler counts the whole batch's items."""
+        """Starts the all-reduce of the global batch's loss, and any rank's stop, which runs while backward and the
+        optimizer step do (`take_step_loss`). Under split_batches this rank's loss is weighted by its share of the
+        batch before backward, and AccumulateScheduler counts the whole batch's items."""
         if not self.distributed:
             return
         sizes = self.train_sampler.sizes(self.train_batch) if self.split_batches else None
-        loss, self.stopping = global_loss_and_stop(last_loss, self.summed_loss, self.world_size, sizes)
-        self.global_loss = loss.cpu()
-        self.smoother.add_value(self.global_loss)
+        self.step_loss = LossAndStop(last_loss, self.summed_loss, self.world_size, sizes)
+        self.losses_recorded = len(self.learn.recorder.losses)  # Recorder adds this step's next
         if sizes is None:
-            return {"smooth_loss": self.smoother.smooth}
+            return
         accumulating = getattr(self.learn, "accumulate_scheduler", None)  # set when made, given to fit() or learn
         if isinstance(accumulating, AccumulateScheduler):  # its on_batch_begin counted this rank's items
             accumulating.acc_samples += sum(sizes) - last_input.shape[0]
-        return {"smooth_loss": self.smoother.smooth, "last_loss": last_loss * split_weight(sizes, self.summed_loss)}
+        return {"last_loss": last_loss * split_weight(sizes, self.summed_loss)}
+
+    def on_step_end(self, **kwargs):
+        return self.take_step_loss()
+
+    def take_step_loss(self):
+        """The global batch's loss, once the all-reduce on_backward_begin started ended: smoothed, it replaces what
+        Recorder recorded (and its bar shows) at on_backward_begin, this rank's own, and becomes the state's
+        smooth_loss, so what callbacks decide on (LRFinder's divergence, TerminateOnNaN) agrees everywhere."""
+        if self.step_loss is None:
+            return None
+        step_loss, self.step_loss = self.step_loss, None
+        loss, stopping = step_loss.result()
+        self.global_loss, self.stopping = loss.cpu(), self.stopping or stopping
+        self.smoother.add_value(self.global_loss)
+        recorder = self.learn.recorder
+        recorder.losses[-1] = self.smoother.smooth
+        if recorder.pbar is not None and hasattr(recorder.pbar, "child"):
+            recorder.pbar.child.comment = f"{self.smoother.smooth:.4f}"
+        return {"smooth_loss": self.smoother.smooth}
+
+    def _drop_cut_step(self) -> None:
+        """A fit that failed inside a training step (its loss's all-reduce started, not taken: a peer failed during
+        backward) keeps what its last completed step left: no recorded loss of this step, zero gradients, not this
+        step's partial ones."""
+        del self.learn.recorder.losses[self.losses_recorded:]
+        self.learn.opt.zero_grad()
 
     def on_batch_end(self, train: bool, last_loss, **kwargs):
         if self._validating(train):
             self.valid_batch += 1
         elif self.distributed and train:  # the loss of the global batch: decisions on it (TerminateOnNaN) agree
             self.train_batch += 1
-            return {"last_loss": self.global_loss.to(last_loss.device, last_loss.dtype)}
+            taken = self.take_step_loss() or {}  # taken at on_step_end unless the step had none
+            return {**taken, "last_loss": self.global_loss.to(last_loss.device, last_loss.dtype)}
 
     def on_train_end(self, exception, **kwargs) -> None:
+        if exception and self.step_loss is not None:
+            self._drop_cut_step()
         self.undistribute()
         self.unmute.close()
         fitting, self.fitting = self.fitting, False

@@ -22,7 +22,7 @@ from ..core import dist as ddist
 from ..core.sharding import shared_seed, unshard
 from ..core.ddp import LR_FIND_MODES, check_split, wrap
 from ..core.files import UnnamedFile
-from ..core.fit import global_loss_and_stop, meet_at_end, split_weight
+from ..core.fit import LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
 from ..core.syncbn import has_batchnorm
 from ..core.state import load_model_state, model_state
@@ -54,6 +54,7 @@ class DistributedCallback(Callback):
         self.parts = None  # the ShardedEvalDL of the validation running, when it is split across ranks
         self.summed_loss = False  # the loss function sums over the batch (else it averages)
         self.stopping = False  # an interrupt reached every rank: stop before the next batch
+        self.step_loss = None  # the LossAndStop of the training step running, until its result is taken
 
     _learn, _guard = None, None  # the learner it is on, and the guard of that learner's fit
 
@@ -83,6 +84,7 @@ class DistributedCallback(Callback):
             self._meet_at_end()
             raise
         except BaseException as e:
+            self._drop_cut_step()
             self.undistribute()
             self._leave_after(e)
             raise
@@ -91,6 +93,12 @@ class DistributedCallback(Callback):
         finally:
             self.in_fit = self.joined = False
             self.undistribute()
+
+    def _drop_cut_step(self) -> None:
+        """A fit that failed inside a training step (its loss's all-reduce started, not taken: a peer failed during
+        backward) keeps the gradients its last completed step left, zero, not this step's partial ones."""
+        if self.step_loss is not None and self.learn.opt is not None:
+            self.learn.opt.zero_grad()
 
     def _leave_after(self, error: BaseException) -> None:
         if not (self.joined and dist.is_initialized()):
@@ -156,7 +164,7 @@ class DistributedCallback(Callback):
     def undistribute(self) -> None:
         """Put back the plain model and the original loaders (and whatever else this fit changed)."""
         self.undo.close()
-        self.running, self.shard, self.parts = False, None, None
+        self.running, self.shard, self.parts, self.step_loss = False, None, None, None
 
     def hide_group_from_fastai(self) -> None:
         """For the rest of this fit fastai reads WORLD_SIZE=1: it neither gathers values across ranks nor waits at
@@ -174,26 +182,46 @@ class DistributedCallback(Callback):
             self.shard.set_epoch(self.learn.epoch)
 
     def before_batch(self) -> None:
+        self.take_step_loss()  # a step cancelled before after_step and after_batch (CancelEpochException)
         if self.stopping:
             self.stopping = False
             raise ddist.StopRequested("ddipp: the fit was interrupted; every rank stopped after the same step")
 
     def after_loss(self) -> None:
-        """The loss of a training step becomes the global batch's on every rank: what Recorder smooths and callbacks
-        decide on (TerminateOnNaN) agrees everywhere. DDP's backward works on this rank's own loss. A stop asked on
-        any rank (a notebook's interrupt) travels with it, so every rank stops after this same step. Under
-        split_batches this rank's loss is weighted by its share of the batch before backward, and the callbacks after
-        this one see the whole batch's predictions and targets (GradientAccumulation counts its items)."""
+        """A training step's loss is summed over ranks while backward and the optimizer step run: from after_step (or
+        after_cancel_batch, when GradientAccumulation skips the step) it is the global batch's on every rank, so what
+        Recorder smooths and callbacks decide on (TerminateOnNaN) agrees everywhere; DDP's backward works on this
+        rank's own loss. A stop asked on any rank (a notebook's interrupt) travels with it, so every rank stops after
+        this same step. Under split_batches this rank's loss is weighted by its share of the batch before backward,
+        and the callbacks after this one see the whole batch's predictions and targets (GradientAccumulation counts
+        its items)."""
         learn = self.learn
         if not (self.running and learn.training):
             return
         sizes = self.shard.sizes(learn.iter) if self.split_batches else None
-        loss, self.stopping = global_loss_and_stop(learn.loss, self.summed_loss, self.world_size, sizes)
-        learn.loss = loss.to(learn.loss.dtype)
+        self.step_loss = LossAndStop(learn.loss, self.summed_loss, self.world_size, sizes)
         if sizes is not None:
             learn.loss_grad = learn.loss_grad * split_weight(sizes, self.summed_loss)
             learn.pred = unshard(to_detach(learn.pred, cpu=False, gather=False), sizes)
             learn.yb = unshard(learn.yb, sizes)
+
+    def take_step_loss(self) -> None:
+        """The training step's loss becomes the global batch's, and a stop any rank asked is noted, once the
+        all-reduce after_loss started ended."""
+        if self.step_loss is None:
+            return
+        step_loss, self.step_loss = self.step_loss, None
+        loss, stopping = step_loss.result()
+        self.learn.loss, self.stopping = loss.to(self.learn.loss.dtype), self.stopping or stopping
+
+    def after_step(self) -> None:
+        self.take_step_loss()
+
+    def after_cancel_batch(self) -> None:
+        self.take_step_loss()
+
+    def after_batch(self) -> None:
+        self.take_step_loss()  # a batch without targets skips the step
 
     def before_validate(self) -> None:
         learn = self.learn

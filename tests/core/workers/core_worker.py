@@ -1,6 +1,8 @@
-"""Launched on 2 CPU ranks by tests/core/test_collectives.py and test_syncbn.py (`core_ranks`): ddipp.core's
-collectives and SyncBatchNorm in plain torch; rank r saves what it saw in OUT/rank{r}.pt."""
+"""Launched on 2 CPU ranks by tests/core/test_collectives.py, test_syncbn.py and test_fit.py (`core_ranks`):
+ddipp.core's collectives, SyncBatchNorm and a step's loss all-reduce in plain torch; rank r saves what it saw in
+OUT/rank{r}.pt."""
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -14,6 +16,7 @@ from core_story import (bn_model, bn_train, embedding_net, features, losses_and_
                         pair_batch)
 from ddipp.core import dist as ddist  # noqa: E402
 from ddipp.core.collectives import all_gather, reduce_sum  # noqa: E402
+from ddipp.core.fit import LossAndStop  # noqa: E402
 from ddipp.core.syncbn import convert_sync_bn  # noqa: E402
 
 out = Path(sys.argv[1])
@@ -54,4 +57,16 @@ undo()
 res["bn_plain_after"] = type(model[1]) is torch.nn.BatchNorm1d
 model = bn_model()
 res["bn_unsynced"] = bn_train(model, half, DistributedDataParallel(model), validate=False)
+
+store, res["loss_and_stop"] = dist.distributed_c10d._get_default_store(), []
+for stop in (False, True):
+    ddist.request_stop(stop and rank == 1)  # the second step's stop is asked on rank 1 only
+    if rank == 1:  # joins the all-reduce once rank 0's LossAndStop returned: one that waited for rank 1 never would
+        store.wait([f"rank 0 started, stop={stop}"], timedelta(seconds=20))
+    step_loss = LossAndStop(torch.tensor(float(rank + 1)), summed=False, world_size=2)
+    if rank == 0:
+        store.set(f"rank 0 started, stop={stop}", "1")
+    loss, stopping = step_loss.result()
+    res["loss_and_stop"].append((float(loss), stopping))
+ddist.request_stop(False)
 torch.save(res, out / f"rank{rank}.pt")

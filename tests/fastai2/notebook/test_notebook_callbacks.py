@@ -212,14 +212,14 @@ def test_gradient_clip_clips_the_global_gradient_as_one_process_does(tmp_path):
 
 
 class LossesSeen(Callback):
-    """Each training step's loss as the callbacks after ddipp's see it (the global batch's), NaN and inf included."""
+    """Each training step's loss as the callbacks after ddipp's see it from after_step on (the global batch's), NaN and
+    inf included."""
 
     def before_fit(self):
         self.losses = []
 
-    def after_loss(self):
-        if self.training:
-            self.losses.append(float(self.learn.loss.detach()))
+    def after_step(self):
+        self.losses.append(float(self.learn.loss.detach()))
 
 
 def test_terminate_on_nan_stops_at_the_batch_one_process_stops_at_without_a_hang(tmp_path):
