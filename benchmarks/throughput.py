@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = {1: ROOT / ".venv" / "bin" / "python", 2: ROOT / ".venv2" / "bin" / "python"}
-BS, EPOCHS, LR, ROUNDS, N_VALID = 64, 4, 1e-3, 3, 359
+BS, EPOCHS, LR, ROUNDS, N_VALID = 64, 4, 1e-3, 5, 359
 WIDTHS = {"small": (16, 32, 64), "compute-bound": (32, 64, 128)}  # 4x the multiply-adds, 4x the gradient
 RUNNERS = {  # name: (fastai version of its virtualenv, how 2 processes start, the runner of its 1 process)
     "torch DDP loop": (1, "torchrun", "torch DDP loop"),
@@ -44,6 +44,7 @@ RUNNERS = {  # name: (fastai version of its virtualenv, how 2 processes start, t
     "ddipp notebook, fastai v2, split_batches": (2, "notebook", "fastai v2"),
 }
 SINGLE = {"torch DDP loop": 1, "fastai v1": 1, "fastai v2": 2}  # the 1-process runners: fastai version
+PER_STEP = "## Per-step accounting"  # README.md's section of per_step.py: report() keeps it and what follows
 
 
 def digits():
@@ -197,12 +198,15 @@ def fastai_learner(version: int, widths, out: Path):
     return learn
 
 
-def fastai_run(runner: str, widths, out: Path) -> None:
-    """`runner`'s fit of the task; each process that trains writes its results file."""
+def fastai_run(runner: str, widths, out: Path, prepare=None) -> None:
+    """`runner`'s fit of the task; each process that trains writes its results file. `prepare(learn)`, if given, is
+    called on the learner before it is made distributed (per_step.py adds its counters' callback)."""
     version = RUNNERS[runner][0] if runner in RUNNERS else SINGLE[runner]
     if runner.startswith("ddipp"):
         import ddipp  # noqa: F401 (Learner.to_ddp)
     learn = fastai_learner(version, widths, out)
+    if prepare:
+        prepare(learn)
     if runner == "fastai v1 DistributedTrainer":
         import torch.distributed as dist
         import fastai.distributed
@@ -236,14 +240,15 @@ def _broadcast_on_cpu(self, t, rank):
     return t.tolist()
 
 
-def run_one(runner: str, workload: str, procs: int, out: Path) -> dict:
-    """Start `runner` (2 processes) or a SINGLE runner (1); what each process measured, with the start time."""
+def run_one(runner: str, workload: str, procs: int, out: Path, script: str = __file__) -> dict:
+    """Start `runner` (2 processes) or a SINGLE runner (1) with `script`'s `--rank-of` in each; what each process
+    measured, with the start time."""
     version, launcher, _ = RUNNERS[runner] if procs > 1 else (SINGLE[runner], None, None)
     cmd = [str(VENV[version])]
     if launcher in ("torchrun", "ddipp.launch"):
         cmd += (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
                 if launcher == "torchrun" else ["-m", "ddipp.launch", "--nproc", str(procs)])
-    cmd += [__file__, "--rank-of", runner, workload, str(out)]
+    cmd += [script, "--rank-of", runner, workload, str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for stale in out.glob("rank*.json"):
         stale.unlink()
@@ -309,6 +314,22 @@ def table(runs: dict) -> str:
     return "\n".join(rows)
 
 
+def against_own(runs: dict) -> str:
+    """Each ddipp row (no split_batches) beside fastai's own DDP of its version: the ratio of medians, and whether the
+    two rows' ranges of rates overlap (a difference inside the rounds' spread)."""
+    own = {1: "fastai v1 DistributedTrainer", 2: "fastai v2 distrib_ctx"}
+    said = []
+    for workload in WIDTHS:
+        for runner, (version, _, _) in RUNNERS.items():
+            if runner.startswith("ddipp") and not runner.endswith("split_batches"):
+                (rate, low, high), (theirs, their_low, their_high) = (
+                    rates(runs[f"{name}|{workload}|2"]) for name in (runner, own[version]))
+                inside = low <= their_high and their_low <= high
+                said.append(f"- {workload}, {runner}: {rate / theirs:.2f}× {own[version]}'s samples/s, "
+                            f"{'inside' if inside else 'outside'} the rounds' spread")
+    return "\n".join(said)
+
+
 def split_against_one(runs: dict) -> str:
     """Each split_batches row's median accuracy beside its one process's, in validation items apart."""
     said = []
@@ -358,10 +379,12 @@ def main() -> None:
 
 
 def report(runs: dict) -> None:
-    """benchmarks/README.md and throughput.png from the measured runs."""
+    """benchmarks/README.md (up to its PER_STEP section) and throughput.png from the measured runs."""
     plot(runs, ROOT / "benchmarks" / "throughput.png")
     cores = len(os.sched_getaffinity(0))
     readme = ROOT / "benchmarks" / "README.md"
+    said = readme.read_text() if readme.exists() else ""
+    kept = said[said.index(PER_STEP):] if PER_STEP in said else ""
     readme.write_text(f"""# Benchmarks
 
 ## Throughput: `make benchmark` (benchmarks/throughput.py)
@@ -379,10 +402,16 @@ takes one process's steps on one process's batches and ends at its accuracy:
 
 {split_against_one(runs)}
 
+Every runner loads in its training processes (num_workers=0), batch {BS} a process, in the order drawn once.
+ddipp against fastai's own DDP of the same version (the ranges of two rows overlap: the difference lies inside the
+rounds' spread):
+
+{against_own(runs)}
+
 {table(runs)}
 {_crashes(runs)}
 ![samples/s](throughput.png)
-""")
+""" + (f"\n{kept}" if kept else ""))
     print(readme.read_text())
 
 
