@@ -18,13 +18,13 @@ class LossAndStop:
             mine = loss.detach().float() / (1 if summed else world_size)
         else:
             mine = loss.detach().float() * split_weight(split_sizes, summed) / world_size
-        self.summed = torch.stack([mine, loss.new_tensor(ddist.stop_requested()).float()])
-        self.work = dist.all_reduce(self.summed, async_op=True)
+        self.loss_and_stop = torch.stack([mine, loss.new_tensor(ddist.stop_requested()).float()])
+        self.work = dist.all_reduce(self.loss_and_stop, async_op=True)
 
     def result(self) -> tuple[torch.Tensor, bool]:
         """The global batch's loss and whether to stop, once the all-reduce ended."""
         self.work.wait()
-        total, stop = self.summed
+        total, stop = self.loss_and_stop
         return total, bool(stop)
 
 
