@@ -294,6 +294,7 @@ class LRFinderBypassCallback(Callback):
     fastai reads WORLD_SIZE=1 during the sweep, so its LRFinder saves and reloads the weights on rank 0 without a
     barrier the others would have to meet, and every rank puts back the state it had before the sweep."""
     order = DistributedCallback.order + 1  # after the fit was distributed; before Recorder, the bars and LRFinder
+    run_train = run_valid = False  # no batch event: fastai then asks this callback for none (each ask costs)
 
     def __init__(self, mode: str = "solo"):
         if mode not in LR_FIND_MODES:
@@ -364,6 +365,7 @@ def _set_record(learn, record: dict) -> None:
 class GCCallback(Callback):
     """At the end of every fit: `gc.collect()` and, with CUDA, `torch.cuda.empty_cache()`; reports when verbose."""
     order = 100  # after the other callbacks let go of what the fit held
+    run_train = run_valid = False  # no batch event: fastai then asks this callback for none (each ask costs)
 
     def __init__(self, verbose: bool = False):
         self.verbose = verbose

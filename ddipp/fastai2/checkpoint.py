@@ -33,6 +33,7 @@ class Checkpoint(Callback):
     launched script that torch elastic restarted (`--max-restarts`), each fit resumes by itself (ddipp.core.resume):
     the fits the run finished are skipped, the one the restart cut resumes where its file left it."""
     order = SkipToEpoch.order + 1  # its before_epoch runs only for the epochs SkipToEpoch lets run
+    run_valid = False  # its batch events are the training's: fastai then asks it for none while validating
 
     def __init__(self, name: str = "checkpoint", keep: int = 1, every_steps: int = None):
         self.file_name, self.keep = f"{name}.pth", check_keep(keep)  # keep: the files that stay (name.1.pth, ...)

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from fastai.callback.core import _inner_loop  # fastai's batch events
 
 WORKERS = Path(__file__).parent / "workers"
 from compare import TOL, close, max_diff
 from fit_story import (N_TRAIN, digits_dls, digits_learner, failed_fit, saved_and_exported, state, story, sweep,
                        tabular_digits_learner, tiny_valid)
 
-from ddipp import GCCallback
+from ddipp import Checkpoint, GCCallback, LRFinderBypassCallback
 
 
 
@@ -184,6 +185,23 @@ def test_gc_callback_collects_at_the_end_of_each_fit(tmp_path, capsys):
     learn.fit(1, 1e-2)
     learn.fit(1, 1e-2)
     assert capsys.readouterr().out.count("GCCallback (rank 0): collected") == 2
+
+
+@pytest.mark.parametrize("make, batches", [(GCCallback, ()), (LRFinderBypassCallback, ()), (Checkpoint, (True,))])
+def test_callbacks_are_asked_for_no_batch_event_of_a_phase_they_skip(tmp_path, make, batches):
+    """fastai v2 asks every callback for every event; a name it lacks goes through fastcore's GetAttr (microseconds
+    each, every batch). ddipp's fit-level callbacks skip every batch, Checkpoint the validation batches."""
+    asked = []
+
+    class Spy(make):
+        def __getattr__(self, name):
+            asked.append((name, self.learn.training))
+            return super().__getattr__(name)
+
+    learn = digits_learner(digits_dls(bs=32), tmp_path)
+    learn.add_cb(Spy())
+    learn.fit(1, 1e-2)
+    assert {(name, training) for name, training in asked if name in _inner_loop and training not in batches} == set()
 
 
 @pytest.mark.slow
