@@ -48,6 +48,7 @@ class DistributedCallback(Callback):
         self.undo = ExitStack()  # every change a distributed fit made, undone in reverse when it ends
         self.in_fit = False  # inside learn.fit (before_fit also starts validate() and get_preds(), which stay local)
         self.joined = False  # this fit began on a group of 2 or more ranks: at its end they meet, or this rank leaves
+        self.alone = False  # this fit began on a group of one rank: it trains as one process, and stops when asked
         self.running = False  # the model is wrapped and the training loader sharded (until undistribute/run_alone)
         self.rank, self.world_size = 0, 1
         self.shard = None  # this fit's ShardedTrainDL or SplitTrainDL (its set_epoch)
@@ -91,7 +92,7 @@ class DistributedCallback(Callback):
         else:
             self._meet_at_end()
         finally:
-            self.in_fit = self.joined = False
+            self.in_fit = self.joined = self.alone = False
             self.undistribute()
 
     def _drop_cut_step(self) -> None:
@@ -110,7 +111,10 @@ class DistributedCallback(Callback):
             meet_at_end()
 
     def before_fit(self) -> None:
-        if not self.in_fit or not ddist.init() or dist.get_world_size() < 2:
+        if not self.in_fit or not ddist.init():
+            return
+        if dist.get_world_size() < 2:
+            self.alone = True
             return
         learn, rank, world_size = self.learn, dist.get_rank(), dist.get_world_size()
         self.joined, self.rank, self.world_size = True, rank, world_size
@@ -183,7 +187,7 @@ class DistributedCallback(Callback):
 
     def before_batch(self) -> None:
         self.take_step_loss()  # a step cancelled before after_step and after_batch (CancelEpochException)
-        if self.stopping:
+        if self.stopping or (self.alone and ddist.stop_requested()):  # alone, a notebook's interrupt needs no peer
             self.stopping = False
             raise ddist.StopRequested("ddipp: the fit was interrupted; every rank stopped after the same step")
 

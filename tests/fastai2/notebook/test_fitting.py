@@ -282,6 +282,36 @@ def test_an_interrupt_stops_every_rank_keeps_what_was_trained_and_a_killed_noteb
         proc.wait()
 
 
+class InterruptTheNotebook(Callback):
+    """After training step `step` of the first epoch, rank 0 interrupts the notebook (its parent process), as the
+    kernel's interrupt button does."""
+    order = 55
+
+    def __init__(self, step=3):
+        self.step = step
+
+    def after_batch(self):
+        if self.training and self.epoch == 0 and self.iter == self.step and ddipp.rank() == 0:
+            os.kill(os.getppid(), signal.SIGINT)
+
+
+@pytest.mark.slow
+def test_an_interrupt_stops_a_group_of_one_process_and_keeps_what_it_trained(tmp_path):
+    """A group of one trains as plain fastai (no DDP below 2 ranks); the interrupt stops it all the same."""
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=1)
+    before = params(learn)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a CI job may start with SIGINT ignored
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            learn.fit(50, 1e-3, cbs=InterruptTheNotebook(step=3))  # more than the 4 s the interrupt waits
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    steps_per_epoch = 40
+    steps = len(getattr(learn.recorder, "losses", []))  # none: the learner is as before the fit, which was killed
+    assert 4 <= steps < steps_per_epoch and max_diff(params(learn), before) > 0
+    learn.from_ddp()
+
+
 def _after(lines, word):
     """The words after `word` on the first line of the process's output that contains it."""
     for line in lines:
