@@ -36,6 +36,7 @@ from .loaders import repeat_passes, shard_eval_loader, shard_train_loader, split
 class DistributedCallback(LearnerCallback):
     """Trains on every rank with DDP: shards the loaders' own order, validates exactly, records global numbers.
 
+    On a group of one rank a fit trains as one process, as plain fastai (a notebook's interrupt still stops it).
     At on_train_begin it wraps the model and shards the loaders, before the other callbacks' on_train_begin
     (schedules count the sharded batches); at on_train_end it puts the plain model and the original
     loaders back, also when the fit raised: then every rank leaves the process group before the other callbacks'
@@ -49,6 +50,7 @@ class DistributedCallback(LearnerCallback):
         self.sync_bn, self.find_unused_parameters, self.split_batches = sync_bn, find_unused_parameters, split_batches
         self.distributed = False  # between a fit's on_train_begin and the undoing of what it changed
         self.fitting = False  # from a distributed fit's on_train_begin to its on_train_end
+        self.alone = False  # from a fit's on_train_begin on a group of one rank to its on_train_end
         self.stopping = False  # an interrupt reached every rank: stop before the next batch
         self.undo = ExitStack()  # every change to the learner a distributed fit makes, undone in reverse
         self.unmute = ExitStack()  # rank > 0's CSV loggers, put back after the fit's last callback ran
@@ -67,6 +69,9 @@ class DistributedCallback(LearnerCallback):
 
     def on_train_begin(self, pbar, n_epochs: int, **kwargs) -> None:
         if pbar is None or not ddist.init():  # Learner.validate() (no bar, no on_train_end), or not launched
+            return
+        if dist.get_world_size() < 2:
+            self.alone = True
             return
         self.fitting = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -120,7 +125,7 @@ class DistributedCallback(LearnerCallback):
         return self.distributed and not train and self.eval_batches is not None
 
     def on_batch_begin(self, last_input, last_target, train: bool, **kwargs):
-        if self.stopping:
+        if self.stopping or (self.alone and ddist.stop_requested()):  # alone, a notebook's interrupt needs no peer
             raise ddist.StopRequested("ddipp: the fit was interrupted; every rank stopped after the same step")
         changes = {}
         if self.distributed and self.padding:  # padded text: as long as the global batch, as one process pads it
@@ -188,7 +193,7 @@ class DistributedCallback(LearnerCallback):
             self._drop_cut_step()
         self.undistribute()
         self.unmute.close()
-        fitting, self.fitting = self.fitting, False
+        fitting, self.fitting, self.alone = self.fitting, False, False
         if not (fitting and dist.is_initialized()):
             return
         if exception:  # before any other callback's collective could wait for a peer

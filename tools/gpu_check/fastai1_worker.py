@@ -34,7 +34,7 @@ def data_bunch(x: torch.Tensor, y: torch.Tensor, n_valid: int, bs: int, out: Pat
 
 
 class BatchNormTypes(LearnerCallback):
-    """The class names of the model's BatchNorm layers at the fit's first training step (inside DDP's wrapper)."""
+    """The class names of the model's BatchNorm layers at the fit's first training step."""
 
     def __init__(self, learn: Learner):
         super().__init__(learn)

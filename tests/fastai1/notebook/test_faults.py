@@ -250,6 +250,34 @@ def _wait_for(lines, word, timeout=120):
             return line.split(word, 1)[1].split()
 
 
+class InterruptTheNotebook(LearnerCallback):
+    """Notes the model's class in the fit; after training step 3 rank 0 interrupts the notebook (its parent process),
+    as the kernel's interrupt button does."""
+
+    def on_train_begin(self, **kwargs):
+        self.model_kind = type(self.learn.model).__name__
+
+    def on_batch_end(self, iteration, train, **kwargs):
+        if train and iteration == 3 and ddipp.rank() == 0:
+            os.kill(os.getppid(), signal.SIGINT)
+
+
+def test_a_group_of_one_process_trains_as_plain_fastai_and_its_interrupt_keeps_what_was_trained(tmp_path):
+    """As with fastai v2: below 2 ranks no DDP, no sharding, no loss all-reduce; the interrupt stops it all the same."""
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=1)
+    before, interrupt = params(learn), InterruptTheNotebook(learn)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a CI job may start with SIGINT ignored
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            learn.fit(50, 1e-3, callbacks=[interrupt])  # more than the 4 s the interrupt waits
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    steps = len(getattr(getattr(learn, "recorder", None), "losses", []))  # none: the fit was killed
+    assert interrupt.model_kind == type(learn.model).__name__
+    assert 4 <= steps < 88 and max_diff(params(learn), before) > 0  # 88 steps an epoch
+    learn.from_ddp()
+
+
 def test_an_interrupt_keeps_what_was_trained_a_stuck_group_is_killed_and_a_killed_notebook_leaves_none(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "notebook_parent.py"), str(tmp_path)],
