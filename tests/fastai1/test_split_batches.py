@@ -1,7 +1,7 @@
-"""to_ddp(split_batches=True) on fastai v1: workers/split_story.py launched on 2 and 3 ranks and in notebook mode on 3
-processes, each against the same story in one process at the same bs (divisible by the ranks and not, a short
-last batch and drop_last): weights, recorder, steps per epoch, lr_find, a Checkpoint's resume, AccumulateScheduler,
-EarlyStoppingCallback, BatchNorm with sync_bn."""
+"""to_ddp(split_batches=True) on fastai v1: workers/split_story.py launched on 2 ranks and in notebook mode on 3
+processes (a 3-rank launch too took a minute of CI for what these two cover), each against the same story in one
+process at the same bs (divisible by the ranks and not, a short last batch and drop_last): weights, recorder, steps
+per epoch, lr_find, a Checkpoint's resume, AccumulateScheduler, EarlyStoppingCallback, BatchNorm with sync_bn."""
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ def reference(tmp_path_factory):
     return split_story(lambda learn, **options: learn, tmp_path_factory.mktemp("reference"))
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["launched-2", "launched-3"])
+@pytest.fixture(scope="module", params=[2], ids=["launched-2"])
 def launched(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"launched{request.param}")
     launch_2_ranks(WORKER, out, nproc=request.param)
