@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from .files import replacing
 from .notes import add_note
 
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
@@ -312,8 +313,10 @@ def _tell_launcher(error: BaseException, line: str, peer_failure: bool = False) 
     file = os.environ.get(ERROR_FILE_ENV)
     if file:
         stack = "".join(traceback.format_exception(error))
-        Path(file).write_text(json.dumps({PEER_FAILURE_KEY: peer_failure, "message": {
-            "message": line, "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}))
+        told = json.dumps({PEER_FAILURE_KEY: peer_failure, "message": {
+            "message": line, "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}})
+        with replacing(Path(file)) as f:  # whole or absent: the agent json-loads it once this rank ended
+            f.write(told.encode())
 
 
 class StopRequested(KeyboardInterrupt):

@@ -1,5 +1,7 @@
 """The rank helpers: single-process values when not launched, the group's values in a real 2-process run."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,17 @@ def test_every_rank_and_restart_of_a_launch_reads_the_id_the_first_set_and_a_new
     assert [dist.agree_launch_id(launch) for _ in range(3)] == [first] * 3
     assert dist.agree_launch_id(torch.distributed.PrefixStore("/worker/attempt_1", launch)) == first  # older torch
     assert dist.agree_launch_id(torch.distributed.HashStore()) != first
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_telling_the_launcher_its_error_leaves_no_unreadable_error_file(tmp_path):
+    """torch's elastic agent json-loads the error file of a rank that ended: one cut short (the agent stops the other
+    ranks while they write theirs) crashed the agent, and with it a launch that had restarts left. The rank here is
+    killed by the file size limit while it writes (SIGXFSZ), as by SIGTERM: the file is whole or absent."""
+    file = tmp_path / "error.json"
+    code = (f"import os, resource; from ddipp.core import dist; os.environ[dist.ERROR_FILE_ENV] = {str(file)!r}; "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64)); "
+            "dist._tell_launcher(ValueError('x'), 'a line longer than the limit lets a file hold ' * 4)")
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ended.returncode != 0  # the limit stopped the write
+    assert not file.exists() or json.loads(file.read_text())["message"]["message"]
