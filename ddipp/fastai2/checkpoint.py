@@ -96,11 +96,11 @@ class Checkpoint(Callback):
             _set_loader_rng(self.learn, rngs[1])
 
     def before_batch(self):
-        if self.training and self.from_batch:
+        if self.from_batch:  # fastai calls it for training batches only (run_valid)
             self.learn.iter += self.from_batch  # fastai counts from 0 in the batches FromBatch yields
 
     def after_batch(self):
-        if not (self.every_steps and self.run and self.training):
+        if not self.every_steps:  # fastai calls it for training batches only (run_valid)
             return
         self.due = self.due or self.learn.train_iter % self.every_steps == 0
         if self.due and self.iter + 1 < self.n_iter and not _accumulating(self.learn):  # the epoch's end writes anyway
