@@ -184,13 +184,14 @@ def test_language_model_validate_and_get_preds_outside_a_fit_give_one_process_nu
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="to_fp16 under DDP needs a GPU")
-def test_to_fp16_trains_on_a_gpu_rank_like_one_gpu(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--gpus", "0", str(WORKERS / "fp16_worker.py"),
+def test_to_fp16_on_two_ranks_sharing_a_gpu_trains_like_one_gpu(tmp_path):
+    """2 gloo ranks on cuda:0 (a group of one rank trains as plain fastai, so it would not run DDP)."""
+    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", str(WORKERS / "fp16_worker.py"),
                            str(tmp_path)], env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     ddp = json.loads((tmp_path / "rank0.json").read_text())
     from fp16_worker import fp16_fit
     one = fp16_fit(tmp_path / "single")
-    assert ddp["half"] and one["half"]
-    assert abs(ddp["final"][1] - one["final"][1]) <= 0.03 and ddp["final"][1] >= 0.9
+    assert ddp["half"] and one["half"] and ddp["world_size"] == 2
+    assert abs(ddp["final"][1] - one["final"][1]) <= 0.03 and ddp["final"][1] >= 0.9, (ddp, one)

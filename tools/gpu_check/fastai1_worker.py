@@ -3,10 +3,8 @@ saves what it saw to OUT/rank{r}.pt.
 
     python tools/gpu_check/fastai1_worker.py MODE OUT     # MODE: bn, bn-gloo, gc or steps
 """
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -14,13 +12,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[2] / "tests" / "core" / "workers")]
 
 import ddipp  # noqa: E402 (before fastai: it keeps fastai's import quiet)
 from ddipp.core import dist as ddist  # noqa: E402
 from fastai.basic_data import DataBunch  # noqa: E402
 from fastai.basic_train import Learner, LearnerCallback  # noqa: E402
 from fastai.metrics import accuracy  # noqa: E402
+from gpu_pair import join_gloo_on_cuda0  # noqa: E402
 from models import bn_cnn, digits_images, random_images, small_cnn, wide_cnn  # noqa: E402
 
 N_VALID_DIGITS = 359  # the first digits validate (an odd number: 2 ranks split it unevenly)
@@ -76,14 +75,6 @@ def bn(out: Path) -> dict:
                 during=learn.batch_norm_types.seen, after=type(norm).__name__, sync_calls=calls[0],
                 backend=dist.get_backend() if dist.is_initialized() else "none", world_size=ddipp.world_size(),
                 device=str(next(learn.model.parameters()).device))
-
-
-def join_gloo_on_cuda0() -> None:
-    """Put every local rank on cuda:0 and join the launcher's group over gloo. ddipp.launch cannot ask for this (its
-    CUDA ranks take NCCL, one GPU each), so the rank sets ddipp's device list and joins gloo itself."""
-    os.environ[ddist.DEVICES_ENV] = ",".join("0" * int(os.environ["LOCAL_WORLD_SIZE"]))
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ[ddist.TIMEOUT_ENV])))
 
 
 def bn_gloo(out: Path) -> dict:
