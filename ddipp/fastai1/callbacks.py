@@ -10,6 +10,7 @@ on_train_end, is recognised (it has no progress bar) and left undistributed (und
 metrics on each rank alone: the `validate` of ddipp.fastai1.learner).
 """
 import math
+import sys
 from contextlib import ExitStack
 from functools import partial
 
@@ -20,7 +21,6 @@ from fastai.basic_train import Learner, LearnerCallback
 from fastai.callback import SmoothenValue
 from fastai.callbacks import CSVLogger, OverSamplingCallback
 from fastai.train import AccumulateScheduler
-from fastai.text.data import pad_collate
 from torch import nn
 
 from ..core import dist as ddist
@@ -261,8 +261,8 @@ def _set_lengths(phases, lengths) -> None:
 
 def _padding(loader):
     """(pad_idx, pad_first) when `loader` pads text with fastai's pad_collate, else None."""
-    collate = loader.collate_fn
-    if isinstance(collate, partial) and collate.func is pad_collate:
+    collate, text = loader.collate_fn, sys.modules.get("fastai.text.data")  # None: no loader pads text
+    if text is not None and isinstance(collate, partial) and collate.func is text.pad_collate:
         return collate.keywords.get("pad_idx", 1), collate.keywords.get("pad_first", True)
     return None
 

@@ -5,6 +5,7 @@ and why, and is applied once by `apply()` (called on `import ddipp`). docs/fasta
 """
 import contextlib
 import gc
+import importlib.metadata
 import importlib.util
 import inspect
 import io
@@ -20,9 +21,7 @@ from warnings import warn
 
 import numpy as np
 import pandas as pd
-import spacy
 import torch
-import torchvision
 from fastprogress.fastprogress import ConsoleMasterBar, ConsoleProgressBar
 from torch import nn
 
@@ -38,24 +37,24 @@ import fastai.basic_data
 import fastai.basic_train
 import fastai.core
 import fastai.data_block
-import fastai.tabular.transform
-import fastai.text.data
-import fastai.text.transform
 import fastai.train  # also adds fit_one_cycle, lr_find, to_fp16 to Learner
-import fastai.vision.learner
-import fastai.vision.transform
 from fastai.basic_data import data_collate, distrib_barrier, is_pathlike
 from fastai.basic_train import LabelLists, load_callback
 from fastai.callback import OptimWrapper
 from fastai.core import defaults, get_tmp_file, ifnone
-from fastai.text.models.awd_lstm import dropout_mask
-from fastai.vision.learner import cnn_config, has_pool_type
+
+
+def _version(distribution: str) -> tuple:
+    """(major, minor) of an installed distribution, read without importing it (fastai's applications import spacy and
+    torchvision's models, which import torch._dynamo: 1.5-3 s that a plain or tabular script need not pay)."""
+    return tuple(int(part) for part in re.findall(r"\d+", importlib.metadata.version(distribution))[:2])
+
 
 _TORCH_LOADS_WEIGHTS_ONLY = torch.__version__ >= (2, 6)   # torch.load(weights_only=True) became the default
 _NUMPY_REJECTS_RAGGED = np.lib.NumpyVersion(np.__version__) >= "1.24.0"
 _PANDAS_2 = int(pd.__version__.split(".")[0]) >= 2
-_SPACY_3 = int(spacy.__version__.split(".")[0]) >= 3
-_TORCHVISION_WEIGHTS_API = tuple(int(n) for n in torchvision.__version__.split(".")[:2]) >= (0, 13)
+_SPACY_3 = _version("spacy") >= (3,)
+_TORCHVISION_WEIGHTS_API = _version("torchvision") >= (0, 13)
 
 _applied = False
 
@@ -72,19 +71,18 @@ def apply() -> None:
         _rebody(fastai.basic_data.load_data, _load_data)
         _rebody(fastai.data_block.LabelLists.load_empty.__func__, _label_lists_load_empty)
         _rebody(fastai.basic_train.Learner.purge, _purge)
+    # fastai's applications are patched once imported: ddipp imports none of them (a tabular script pays for no
+    # spacy or vision models)
     if _torch_solve_removed():
-        fastai.vision.transform._solve_func = _solve
+        _when_imported("fastai.vision.transform", _fix_solve)
     if _PANDAS_2:
-        fastai.tabular.transform.Categorify.apply_train = _categorify_apply_train
-        fastai.tabular.transform.Categorify.apply_test = _categorify_apply_test
-        _rebody(fastai.tabular.transform.make_date, _make_date)
-        _rebody(fastai.tabular.transform.add_datepart, _add_datepart)
+        _when_imported("fastai.tabular.transform", _fix_tabular_transform)
     if _SPACY_3:
-        fastai.text.transform.SpacyTokenizer.__init__ = _spacy_tokenizer_init
+        _when_imported("fastai.text.transform", _fix_spacy_tokenizer)
     _restore_numpy_aliases()
     if _NUMPY_REJECTS_RAGGED:
         _replace_in_fastai_modules(fastai.core.array, _array)
-        fastai.text.data.SortishSampler.__iter__ = _sortish_iter
+        _when_imported("fastai.text.data", _fix_sortish_sampler)
     if _inplace_on_a_chunk_fails():
         _when_imported("fastai.text.models.qrnn", _fix_qrnn)
     _restore_ipython_display()
@@ -93,7 +91,7 @@ def apply() -> None:
     if _pinning_warns():
         _no_pinning_by_default(fastai.basic_data.intercept_args)
     if _TORCHVISION_WEIGHTS_API:
-        _rebody(fastai.vision.learner.create_body, _create_body)
+        _when_imported("fastai.vision.learner", _fix_create_body)
     if _zero_grad_sets_none():
         fastai.train.AccumulateScheduler.on_epoch_end = _accumulate_scheduler_on_epoch_end
 
@@ -101,8 +99,8 @@ def apply() -> None:
 def _rebody(old, new) -> None:
     """Give function `old` the code of `new`, so references taken before `import ddipp` get the fix too.
 
-    `new` runs with `old`'s module globals: it may only use names that module defines (compat imports
-    the same names, so `new` reads as ordinary code here)."""
+    `new` runs with `old`'s module globals: it may only use names that module defines (those compat does not import
+    are marked `noqa: F821`)."""
     old.__code__ = new.__code__
 
 
@@ -237,6 +235,10 @@ def _solve(B, A):
     return (torch.linalg.solve(A, B),)
 
 
+def _fix_solve(transform) -> None:
+    transform._solve_func = _solve
+
+
 # --- pandas >= 2 --------------------------------------------------------------------------------------
 # `df.loc[:, n] = categorical` now writes values into the existing column and keeps its dtype, so
 # Categorify's `df[n].cat` raises "Can only use .cat accessor with a 'category' dtype" (tabular, collab).
@@ -257,6 +259,13 @@ def _categorify_apply_test(self, df):
 # add_datepart (Rossmann): pandas 2 removed `Series.dt.week` and `infer_datetime_format`, pandas 3's
 # string dtype makes `np.issubdtype` raise, and datetimes are no longer always nanoseconds, so
 # `astype(int64) // 10**9` is not seconds any more.
+def _fix_tabular_transform(transform) -> None:
+    transform.Categorify.apply_train = _categorify_apply_train
+    transform.Categorify.apply_test = _categorify_apply_test
+    _rebody(transform.make_date, _make_date)
+    _rebody(transform.add_datepart, _add_datepart)
+
+
 def _make_date(df, date_field):
     "Make sure `df[date_field]` is of the right date type."
     if not pd.api.types.is_datetime64_any_dtype(df[date_field]):
@@ -282,7 +291,12 @@ def _add_datepart(df, field_name, prefix=None, drop=True, time=False):
 # --- spacy 3: spacy.blank() no longer takes disable= ------------------------------------------------
 # fastai's default text tokenizer fails with "blank() got an unexpected keyword argument 'disable'";
 # a blank pipeline has no parser/tagger/ner to disable anyway.
+def _fix_spacy_tokenizer(transform) -> None:
+    transform.SpacyTokenizer.__init__ = _spacy_tokenizer_init
+
+
 def _spacy_tokenizer_init(self, lang):
+    import spacy  # imported by fastai.text already
     self.tok = spacy.blank(lang)
 
 
@@ -330,6 +344,10 @@ def sortish_chunks(sampler):
     return chunks[first], chunks[:first] + chunks[first+1:]
 
 
+def _fix_sortish_sampler(data) -> None:
+    data.SortishSampler.__iter__ = _sortish_iter
+
+
 def _sortish_iter(self):
     first, rest = sortish_chunks(self)
     rest = [rest[i] for i in np.random.permutation(len(rest))]
@@ -351,6 +369,7 @@ def _inplace_on_a_chunk_fails() -> bool:
 
 
 def _fix_qrnn(qrnn) -> None:
+    from fastai.text.models.awd_lstm import dropout_mask  # fastai.text is imported by then
     _rebody(qrnn.QRNNLayer.forward, _qrnn_layer_forward)
     qrnn.dropout_mask = dropout_mask  # fastai's qrnn never imported it: QRNN(zoneout=...) raised NameError
 
@@ -363,7 +382,7 @@ def _qrnn_layer_forward(self, inp, hid=None):
     else: z_gate, f_gate = y.chunk(2, dim=2)
     z_gate, f_gate = z_gate.tanh(), f_gate.sigmoid()
     if self.zoneout and self.training:
-        mask = dropout_mask(f_gate, f_gate.size(), self.zoneout).requires_grad_(False)
+        mask = dropout_mask(f_gate, f_gate.size(), self.zoneout).requires_grad_(False)  # noqa: F821
         f_gate = f_gate * mask
     z_gate, f_gate = z_gate.contiguous(), f_gate.contiguous()
     if self.backward:
@@ -441,16 +460,21 @@ def _no_pinning_by_default(init) -> None:
 # fastai's create_body (cnn_learner, unet_learner) calls `arch(pretrained)`, the old interface, so every cnn_learner on
 # a torchvision model printed two deprecations of a call the user did not write. They are ignored during that call
 # alone, by message and module: the user's own calls of torchvision's builders still warn.
+def _fix_create_body(learner) -> None:
+    _rebody(learner.create_body, _create_body)
+
+
+# It runs with fastai.vision.learner's globals (see _rebody): cnn_config and has_pool_type are that module's.
 def _create_body(arch, pretrained=True, cut=None):
     "Cut off the body of a typically pretrained `model` at `cut` (int) or as specified by `cut(model)` (function)."
     with warnings.catch_warnings():
         for message in ("Using 'weights' as positional parameter", "Arguments other than a weight enum or `None`"):
             warnings.filterwarnings("ignore", message, UserWarning, r"torchvision\.models\._utils")
         model = arch(pretrained)
-    cut = ifnone(cut, cnn_config(arch)["cut"])
+    cut = ifnone(cut, cnn_config(arch)["cut"])  # noqa: F821
     if cut is None:
         ll = list(enumerate(model.children()))
-        cut = next(i for i, o in reversed(ll) if has_pool_type(o))
+        cut = next(i for i, o in reversed(ll) if has_pool_type(o))  # noqa: F821
     if isinstance(cut, int): return nn.Sequential(*list(model.children())[:cut])
     elif isinstance(cut, Callable): return cut(model)
     else: raise NamedError("cut must be either integer or a function")  # noqa: F821  (fastai's: a NameError)
@@ -461,10 +485,8 @@ def _create_body(arch, pretrained=True, cut=None):
 # when the epoch's batch count is a multiple of n_step, the last step's zero_grad left None where torch 1 left zeros,
 # and `p.grad.div_` raised AttributeError. Give those parameters the zeros torch 1 had: the same step follows.
 def _zero_grad_sets_none() -> bool:
-    p = nn.Parameter(torch.zeros(1))
-    p.grad = torch.ones(1)
-    torch.optim.SGD([p], lr=0.0).zero_grad()
-    return p.grad is None
+    """Read from zero_grad's signature: making an optimizer would import torch._dynamo (1.4 s) on `import ddipp`."""
+    return inspect.signature(torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default is True
 
 
 def _accumulate_scheduler_on_epoch_end(self, **kwargs):

@@ -1,56 +1,34 @@
 """fastai v1 loaders sharded across ranks (ddipp.core.sharding over fastai's samplers, SortishSampler, LM streams)."""
-import numpy as np
+import sys
+
 from fastai.basic_data import DeviceDataLoader
 from fastai.core import defaults
-from fastai.text.data import LanguageModelPreLoader, SortishSampler
 from torch.utils.data import BatchSampler, Sampler, SequentialSampler
 
 from ..core.dist import loader_workers
-from ..core.sharding import (RepeatedBatches, ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler,
-                             global_rngs_seeded)
-from .compat import sortish_chunks
+from ..core.sharding import RepeatedBatches, ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler
 
 
-class GlobalSortishSampler(SortishSampler):
-    """fastai's SortishSampler with batches of the global batch size N*b, the one short batch last.
-
-    Each global batch is a run of similar lengths, so every rank's batch of b is too; keeping the short
-    batch last keeps the later global batches aligned with the ranks' batches."""
-
-    def __iter__(self):
-        first, rest = sortish_chunks(self)
-        full = [ck for ck in rest if len(ck) == self.bs]
-        short = [ck for ck in rest if len(ck) < self.bs]
-        full = [full[i] for i in np.random.permutation(len(full))]
-        return iter(np.concatenate([first, *full, *short]).astype(np.int64))
+def _text():
+    """ddipp's text loaders (`text_loaders`), or None while fastai.text is not imported: then no loader reads text, and
+    a script that trains no text model does not pay for importing it (spacy, the text models)."""
+    if "fastai.text.data" not in sys.modules:
+        return None
+    from . import text_loaders
+    return text_loaders
 
 
-class ShardedLMStreams(LanguageModelPreLoader):
-    """fastai's language-model streams of `preloader` with one row per item of the global batch (`streams`).
-
-    Sharded by position, rank r trains on rows r, r+N, ...: each its own contiguous stream, the rows of all
-    ranks a partition of the corpus. The documents are shuffled alike on every rank, anew each epoch
-    (`set_epoch`), with the shared `seed`."""
-
-    def __init__(self, preloader: LanguageModelPreLoader, streams: int, seed: int):
-        super().__init__(preloader.dataset, preloader.lengths, streams, preloader.bptt, preloader.backwards,
-                         preloader.shuffle)
-        self.bs, self.seed, self.epoch = streams, seed, 0  # fastai multiplied bs by WORLD_SIZE: undo that
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def on_epoch_begin(self, **kwargs) -> None:
-        if self.idx is None:
-            self.allocate_buffers()  # so that fastai shuffles the documents in the first epoch too
-        with global_rngs_seeded(self.seed + self.epoch):
-            super().on_epoch_begin()
+def _language_model(dataset) -> bool:
+    """True for fastai's language-model streams."""
+    text = _text()
+    return text is not None and isinstance(dataset, text.LanguageModelPreLoader)
 
 
 def _train_sampler(sampler: Sampler, world_size: int) -> Sampler:
     """The order to shard: fastai's SortishSampler buckets over the global batch, so each rank's batch is alike."""
-    if isinstance(sampler, SortishSampler):
-        return GlobalSortishSampler(sampler.data_source, sampler.key, sampler.bs * world_size)
+    text = _text()
+    if text is not None and isinstance(sampler, text.SortishSampler):
+        return text.GlobalSortishSampler(sampler.data_source, sampler.key, sampler.bs * world_size)
     return sampler
 
 
@@ -60,8 +38,8 @@ def shard_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, see
     A language-model loader gets streams for the global batch (`ShardedLMStreams`), read in order."""
     batches, dataset = loader.dl.batch_sampler, loader.dl.dataset
     sampler = _train_sampler(batches.sampler, world_size)
-    if isinstance(dataset, LanguageModelPreLoader):
-        dataset = ShardedLMStreams(dataset, batches.batch_size * world_size, seed)
+    if _language_model(dataset):
+        dataset = _text().ShardedLMStreams(dataset, batches.batch_size * world_size, seed)
         sampler = SequentialSampler(dataset)
     sampler = ShardedSampler(sampler, rank, world_size, seed)
     return _with(loader, dataset, BatchSampler(sampler, batches.batch_size, batches.drop_last))
@@ -76,8 +54,8 @@ def split_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, see
                         f"sampler ({type(batches).__name__}) has no batch_size: build the DataLoader with batch_size "
                         "(and a sampler) instead of a batch_sampler, or leave split_batches out")
     sampler = _train_sampler(batches.sampler, 1)
-    if isinstance(dataset, LanguageModelPreLoader):
-        dataset = ShardedLMStreams(dataset, batches.batch_size, seed)
+    if _language_model(dataset):
+        dataset = _text().ShardedLMStreams(dataset, batches.batch_size, seed)
         sampler = SequentialSampler(dataset)
     parts = SplitBatchSampler(sampler, batches.batch_size, batches.drop_last, rank, world_size, seed)
     return _with(loader, dataset, parts)
@@ -105,7 +83,7 @@ def lm_eval_loader(loader: DeviceDataLoader) -> DeviceDataLoader:
     fastai builds a launched process's preloader with bs·N streams but its loader with batches of bs, so a rank's
     rows would hop between streams from batch to batch (validate() and get_preds() outside a fit)."""
     dataset = loader.dl.dataset
-    if not isinstance(dataset, LanguageModelPreLoader) or loader.dl.batch_sampler.batch_size == dataset.bs:
+    if not _language_model(dataset) or loader.dl.batch_sampler.batch_size == dataset.bs:
         return loader
     return _with(loader, dataset, BatchSampler(SequentialSampler(dataset), dataset.bs, drop_last=False))
 

@@ -270,12 +270,23 @@ def _tensor_data(n=64, bs=8):
     return DataBunch.create(data, data, bs=bs, num_workers=0)
 
 
+APPLICATIONS = ("spacy", "fastai.text", "fastai.vision", "fastai.tabular", "fastai.collab")
+
+
 @pytest.mark.slow
-def test_importing_ddipp_then_fastai_shows_only_the_users_own_warning():
-    code = "import ddipp; from fastai.vision import *; import warnings; warnings.warn('mine')"
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # setuptools' pkg_resources deprecation was the other
+def test_ddipp_imports_no_fastai_application_fixes_one_imported_after_it_and_shows_only_the_users_warning():
+    """A plain or tabular script pays for no spacy, text or vision models (2-3 s of a core a process, each worker of
+    a notebook's group too); an application imported after ddipp gets its fixes (spacy 3's tokenizer here)."""
+    code = ("import sys, ddipp, ddipp.fastai1.notebook.fitting\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({APPLICATIONS!r})))\n"
+            "from fastai.vision import *\n"
+            "from fastai.text import Tokenizer\n"
+            "print(Tokenizer().process_all(['Hello world'])[0])\n"
+            "import warnings; warnings.warn('mine')")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # setuptools' pkg_resources deprecation was the other warning
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0 and proc.stderr == "<string>:1: UserWarning: mine\n", proc.stderr
+    assert proc.returncode == 0 and proc.stderr == "<string>:6: UserWarning: mine\n", proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "['xxmaj', 'hello', 'world']"], proc.stdout
 
 
 def _pinning_warnings(loader):
