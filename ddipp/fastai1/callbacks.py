@@ -10,7 +10,6 @@ on_train_end, is recognised (it has no progress bar) and left undistributed (und
 metrics on each rank alone: the `validate` of ddipp.fastai1.learner).
 """
 import math
-import sys
 from contextlib import ExitStack
 from functools import partial
 
@@ -30,7 +29,7 @@ from ..core.files import UnnamedFile
 from ..core.fit import LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
 from ..core.syncbn import has_batchnorm
-from .loaders import repeat_passes, shard_eval_loader, shard_train_loader, split_train_loader
+from .loaders import repeat_passes, shard_eval_loader, shard_train_loader, split_train_loader, text_if_imported
 
 
 class DistributedCallback(LearnerCallback):
@@ -261,7 +260,7 @@ def _set_lengths(phases, lengths) -> None:
 
 def _padding(loader):
     """(pad_idx, pad_first) when `loader` pads text with fastai's pad_collate, else None."""
-    collate, text = loader.collate_fn, sys.modules.get("fastai.text.data")  # None: no loader pads text
+    collate, text = loader.collate_fn, text_if_imported()
     if text is not None and isinstance(collate, partial) and collate.func is text.pad_collate:
         return collate.keywords.get("pad_idx", 1), collate.keywords.get("pad_first", True)
     return None

@@ -1,7 +1,8 @@
 """The smallest fixes that make fastai 1.0.61 run on torch 2.14 / numpy 2 / pandas 3 / spacy 3.
 
 Each fix checks that the old behaviour is really gone before it changes anything, says what breaks
-and why, and is applied once by `apply()` (called on `import ddipp`). docs/fastai1-compat.md lists them.
+and why, and is applied once by `apply()` (called on `import ddipp`; a fix of one of fastai's applications once
+that application is imported). docs/fastai1-compat.md lists them.
 """
 import contextlib
 import gc

@@ -9,7 +9,7 @@ from ..core.dist import loader_workers
 from ..core.sharding import RepeatedBatches, ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler
 
 
-def _text():
+def text_if_imported():
     """ddipp's text loaders (`text_loaders`), or None while fastai.text is not imported: then no loader reads text, and
     a script that trains no text model does not pay for importing it (spacy, the text models)."""
     if "fastai.text.data" not in sys.modules:
@@ -20,13 +20,13 @@ def _text():
 
 def _language_model(dataset) -> bool:
     """True for fastai's language-model streams."""
-    text = _text()
+    text = text_if_imported()
     return text is not None and isinstance(dataset, text.LanguageModelPreLoader)
 
 
 def _train_sampler(sampler: Sampler, world_size: int) -> Sampler:
     """The order to shard: fastai's SortishSampler buckets over the global batch, so each rank's batch is alike."""
-    text = _text()
+    text = text_if_imported()
     if text is not None and isinstance(sampler, text.SortishSampler):
         return text.GlobalSortishSampler(sampler.data_source, sampler.key, sampler.bs * world_size)
     return sampler
@@ -39,7 +39,7 @@ def shard_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, see
     batches, dataset = loader.dl.batch_sampler, loader.dl.dataset
     sampler = _train_sampler(batches.sampler, world_size)
     if _language_model(dataset):
-        dataset = _text().ShardedLMStreams(dataset, batches.batch_size * world_size, seed)
+        dataset = text_if_imported().ShardedLMStreams(dataset, batches.batch_size * world_size, seed)
         sampler = SequentialSampler(dataset)
     sampler = ShardedSampler(sampler, rank, world_size, seed)
     return _with(loader, dataset, BatchSampler(sampler, batches.batch_size, batches.drop_last))
@@ -55,7 +55,7 @@ def split_train_loader(loader: DeviceDataLoader, rank: int, world_size: int, see
                         "(and a sampler) instead of a batch_sampler, or leave split_batches out")
     sampler = _train_sampler(batches.sampler, 1)
     if _language_model(dataset):
-        dataset = _text().ShardedLMStreams(dataset, batches.batch_size, seed)
+        dataset = text_if_imported().ShardedLMStreams(dataset, batches.batch_size, seed)
         sampler = SequentialSampler(dataset)
     parts = SplitBatchSampler(sampler, batches.batch_size, batches.drop_last, rank, world_size, seed)
     return _with(loader, dataset, parts)

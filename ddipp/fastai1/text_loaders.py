@@ -1,12 +1,12 @@
 """fastai v1's text loaders for ranks: SortishSampler over the global batch, language-model streams sharded by position.
 Imported by ddipp.fastai1.loaders only once fastai.text is."""
 import numpy as np
-from fastai.text.data import LanguageModelPreLoader, SortishSampler
+from fastai.text.data import LanguageModelPreLoader, SortishSampler, pad_collate
 
 from ..core.sharding import global_rngs_seeded
 from .compat import sortish_chunks
 
-__all__ = ["GlobalSortishSampler", "LanguageModelPreLoader", "ShardedLMStreams", "SortishSampler"]
+__all__ = ["GlobalSortishSampler", "LanguageModelPreLoader", "ShardedLMStreams", "SortishSampler", "pad_collate"]
 
 
 class GlobalSortishSampler(SortishSampler):
