@@ -1,9 +1,10 @@
 """Notebook mode's cold start, fastai v1 and v2 in one run: how long `learn.to_ddp(nprocs=2)` blocks, and the seconds
 from the call to the first training step when `learn.fit(1)` follows at once (one cell) or 20 s later (the user works
-in between), beside fastai v2's own notebook recipe (accelerate's `notebook_launcher` with
-`distrib_ctx(in_notebook=True)`, at once). Each measurement is a fresh interpreter that has imported torch, fastai and
-ddipp and built throughput.py's learner (small CNN, digits, batch 64 a process): a kernel before the cell. Prints a
-table and writes benchmarks/results/cold_start.json.
+in between), `to_ddp` called right after the learner is built or 10 s after `import ddipp` (the notebook's cells in
+between; the kernel's fork server has imported by then), beside fastai v2's own notebook recipe (accelerate's `notebook_launcher` with
+`distrib_ctx(in_notebook=True)`, at once). Each measurement is a fresh interpreter that has imported ipykernel, ddipp,
+torch and fastai and built throughput.py's learner (small CNN, digits, batch 64 a process): a kernel before the cell.
+Prints a table and writes benchmarks/results/cold_start.json.
 
     .venv/bin/python benchmarks/cold_start.py        # from the repository root; needs both virtualenvs (+ accelerate)
 """
@@ -20,22 +21,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's ddipp, and throughput.py
 from throughput import LR, VENV, WIDTHS, fastai_learner  # noqa: E402
 
-ROUNDS, LATER = 3, 20.0
-RUNS = {  # name: (fastai version, seconds between to_ddp and fit; None: notebook_launcher)
-    "ddipp, fastai v1, fit at once": (1, 0.0),
-    f"ddipp, fastai v1, fit {LATER:.0f} s later": (1, LATER),
-    "ddipp, fastai v2, fit at once": (2, 0.0),
-    f"ddipp, fastai v2, fit {LATER:.0f} s later": (2, LATER),
-    "notebook_launcher + distrib_ctx, fastai v2, at once": (2, None),
+ROUNDS, LATER, CELLS = 3, 20.0, 10.0
+RUNS = {  # name: (fastai version, seconds from import ddipp to to_ddp past building the learner, seconds between
+    #            to_ddp and fit; None: notebook_launcher)
+    "ddipp, fastai v1, fit at once": (1, 0.0, 0.0),
+    f"ddipp, fastai v1, fit at once, to_ddp {CELLS:.0f} s after import ddipp": (1, CELLS, 0.0),
+    f"ddipp, fastai v1, fit {LATER:.0f} s later": (1, 0.0, LATER),
+    "ddipp, fastai v2, fit at once": (2, 0.0, 0.0),
+    f"ddipp, fastai v2, fit at once, to_ddp {CELLS:.0f} s after import ddipp": (2, CELLS, 0.0),
+    f"ddipp, fastai v2, fit {LATER:.0f} s later": (2, 0.0, LATER),
+    "notebook_launcher + distrib_ctx, fastai v2, at once": (2, 0.0, None),
 }
 
 
-def one(version: int, later, out: Path) -> dict:
-    """In this process (a kernel with the learner built): the call's times, by time.time()."""
+def one(version: int, cells: float, later, out: Path) -> dict:
+    """In this process (a kernel: ipykernel imported, then ddipp first, as README's notebooks do, then the learner
+    built, and `cells` seconds from import ddipp, the notebook's cells in between): the call's times, by time.time()."""
+    if later is not None:
+        import ipykernel  # noqa: F401 (what a Jupyter kernel has imported: import ddipp starts its fork server)
+        imported = time.time()
+        import ddipp  # noqa: F401 (Learner.to_ddp)
     learn = fastai_learner(version, WIDTHS["small"], out)
     if later is None:
         return _launcher(learn)
-    import ddipp  # noqa: F401 (Learner.to_ddp)
+    time.sleep(max(0.0, imported + cells - time.time()))  # the user's cells
     started = time.time()
     learn.to_ddp(nprocs=2)
     returned = time.time()
@@ -68,7 +77,7 @@ def _launcher(learn) -> dict:
 
 def measure(name: str, out: Path) -> dict:
     """One run of `name` in a fresh interpreter: to_ddp's blocking seconds and call -> first training step."""
-    version, later = RUNS[name]
+    version, _, later = RUNS[name]
     for stale in out.glob("*.json"):
         stale.unlink()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -11,11 +11,14 @@ __version__ = version("ddipp")  # one number: pyproject.toml's, read from the in
 # `python -m ddipp.launch` imports this package first (sys.argv[0] is "-m" while Python locates the
 # module): the launcher needs neither fastai nor its fixes, so it starts in a second, not in ten.
 if sys.argv[:1] != ["-m"]:
+    FASTAI_MAJOR = int(version("fastai").split(".")[0])
+    from .core.group import forkserver
+    if forkserver.in_a_kernel():  # to_ddp's workers are forked from a process that imported what they need
+        forkserver.start(["ddipp.core.group.worker", f"ddipp.fastai{FASTAI_MAJOR}.notebook.fitting", "torch._dynamo"])
     from .core.collectives import all_gather, reduce_sum
     from .core.dist import barrier, device, is_rank0, rank, world_size
     from .core.group.group import shutdown
 
-    FASTAI_MAJOR = int(version("fastai").split(".")[0])
     if FASTAI_MAJOR == 1:
         from .fastai1 import (Checkpoint, DistributedCallback, GCCallback, GlobalBatchLoss, LRFinderBypassCallback,
                               SumMetric, Throughput, from_ddp, to_ddp)

@@ -24,7 +24,7 @@ from .notes import add_note
 
 DEVICES_ENV = "DDIPP_DEVICES"  # set by ddipp.launch: "3,1" (local rank i runs on the i-th GPU) or "cpu"
 CONNECTION_FD_ENV = "DDIPP_CONNECTION_FD"  # set by the notebook's worker group: a worker's socket to the notebook
-PARENT_PID_ENV = "DDIPP_PARENT_PID"  # set by the notebook's worker group: the notebook's pid (its workers end with it)
+PARENT_PID_ENV = "DDIPP_PARENT_PID"  # a notebook worker's parent: the notebook or its fork server (it ends with it)
 FITTING_ENV = "DDIPP_FITTING"  # set by the notebook's worker group: the adapter's fitting module (group/adapter.py)
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torch's elastic agent: 0, then 1, 2, ... each time it restarts
 TIMEOUT_ENV = "DDIPP_TIMEOUT"  # seconds a collective may wait for the other ranks (torch's default if unset)

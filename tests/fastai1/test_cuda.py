@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import ddipp
+from ddipp.core.group import forkserver
+from ddipp.core.group.group import _groups
 from ddipp.fastai1.notebook.fitting import place_data
 from compare import close, max_diff
 from scenario import digits_data, digits_learner, history, params
@@ -34,16 +36,23 @@ def test_a_launched_rank_trains_on_the_listed_gpu_with_nccl(tmp_path, cpu_fit):
     assert close(got["history"], cpu_fit[0], GPU_TOL) and max_diff(got["params"], cpu_fit[1]) <= GPU_TOL
 
 
-def test_notebook_mode_on_a_gpu_after_this_process_used_cuda(tmp_path, cpu_fit):
+@pytest.mark.parametrize("forked", [False, True], ids=["spawned", "forked"])
+def test_notebook_mode_on_a_gpu_after_this_process_used_cuda(tmp_path, cpu_fit, forked):
+    """Forked: the workers come from a kernel's fork server, which must not have touched CUDA."""
+    if forked:
+        forkserver.start(["ddipp.core.group.worker", "ddipp.fastai1.notebook.fitting", "torch._dynamo"])
     here = torch.device("cuda", 0)
     learn = digits_learner(place_data(digits_data(tmp_path, bs=32), here))
     learn.model.to(here)  # this process has a CUDA context now: fork-based launchers would refuse
     learn.to_ddp(gpus=[torch.cuda.device_count() - 1])
     learn.fit(2, 1e-2)
+    procs = _groups[(f"cuda:{torch.cuda.device_count() - 1}",)].procs
+    ddipp.shutdown()
+    forkserver.stop()
+    assert all(isinstance(p, forkserver.ForkedWorker) and p.spawned is None for p in procs) == forked
     assert all(p.device == here for p in learn.model.parameters())
     assert close(history(learn), cpu_fit[0], GPU_TOL)
     assert max_diff([p.cpu() for p in params(learn)], cpu_fit[1]) <= GPU_TOL
-    ddipp.shutdown()
 
 
 def test_mixed_precision_in_a_notebook_fit_on_a_gpu_trains_as_a_local_one(tmp_path):

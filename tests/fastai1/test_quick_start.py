@@ -5,8 +5,10 @@ import pytest
 from conftest import check_quick_start_notebook, check_quick_start_script
 
 # the notebook's last cell: final accuracy, training steps the recorder saw, one process's steps an epoch, workers
+# (forked by the fork server `import ddipp` started in the kernel)
 CHECK = """import json, psutil
-workers = [p for p in psutil.Process().children() if "ddipp.core.group.worker" in " ".join(p.cmdline())]
+from ddipp.core.group import forkserver
+workers = psutil.Process(forkserver.server().proc.pid).children()
 print(json.dumps(dict(accuracy=float(learn.recorder.metrics[-1][0]), steps=len(learn.recorder.losses),
                       steps_of_one_process=len(data.train_dl), workers=len(workers))))"""
 

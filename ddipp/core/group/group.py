@@ -1,8 +1,8 @@
 """The notebook's persistent group of worker processes: start, run a fit on it, report failures, stop.
 
-Workers are fresh interpreters (never a fork of the kernel, so a kernel that already used CUDA is fine), started in
-the background (the first fit waits until they are ready), each in its own session so that a terminal's Ctrl-C
-reaches the notebook only, which then stops them all.
+Workers are never a fork of the kernel (so a kernel that already used CUDA is fine): forks of the kernel's fork server
+(`forkserver`) if it runs, else fresh interpreters; started in the background (the first fit waits until they are
+ready), each in its own session so that a terminal's Ctrl-C reaches the notebook only, which then stops them all.
 The notebook hosts the rendezvous store, on loopback, for the group's life (the ranks meet there again after a
 failed fit); each worker talks to the notebook over a private socket. A fit that fails keeps what rank 0 trained up to
 its last completed step, if rank 0 lives to send it; the workers stay when every rank ended its fit and lives (they
@@ -23,11 +23,12 @@ import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import cloudpickle
 
 from .. import dist as ddist
+from . import forkserver
 from ..files import owned_dir_prefix, sweep_stale_dirs
 from ..notes import add_note
 from ..store import LOOPBACK, loopback_listener, loopback_store
@@ -56,6 +57,14 @@ class RemoteTraceback(Exception):
         return "\n" + self.args[0]
 
 
+class SpawnedWorker(subprocess.Popen):
+    """A worker started as a fresh interpreter, in its own session."""
+
+    def kill_group(self) -> None:
+        """SIGKILL the worker and the processes it started (its data loaders)."""
+        forkserver.kill_group(self.pid)
+
+
 class WorkerGroup:
     """One worker process per device ("cpu" for each CPU process), ranks in the order of `devices`, fitting with the
     adapter's module `fitting` (`adapter.Fitting`); `after`, a group whose worker died, is the one it replaces: its
@@ -75,7 +84,7 @@ class WorkerGroup:
         self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
         self.store = loopback_store(loopback_listener(), timedelta(seconds=START_TIMEOUT))
         self.store.set(ddist.LAUNCH_ID_KEY, self.launch_id)  # what every worker's dist.launch_id() reads
-        self.procs: List[subprocess.Popen] = []
+        self.procs: List[Union[SpawnedWorker, forkserver.ForkedWorker]] = []
         self.conns: List[Connection] = []
         self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
         self.unanswered = set()  # the ranks that neither answered nor failed when the last command ended
@@ -102,15 +111,26 @@ class WorkerGroup:
         return bool(self.procs) and all(p.poll() is None for p in self.procs)
 
     def _spawn(self, rank: int, env: Dict[str, str]) -> None:
-        """Start rank `rank` with the environment `env` and its socket to this process."""
+        """Start rank `rank` with the environment `env` and its socket to this process: forked from the kernel's fork
+        server if it runs, else a fresh interpreter."""
         ours, theirs = socket.socketpair()
-        env = dict(env, **{ddist.CONNECTION_FD_ENV: str(theirs.fileno())})
-        with open(self.logs / f"rank{rank}.log", "wb") as log:
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", "from ddipp.core.group.worker import main; main()"],
-                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=[theirs.fileno()], start_new_session=True))
-        theirs.close()
+        log = self.logs / f"rank{rank}.log"
+
+        def spawn() -> SpawnedWorker:
+            with open(log, "ab") as out:
+                return SpawnedWorker([sys.executable, "-c", "from ddipp.core.group.worker import main; main()"],
+                                     env=dict(env, **{ddist.CONNECTION_FD_ENV: str(theirs.fileno())}),
+                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                     pass_fds=[theirs.fileno()], start_new_session=True)
+        server = forkserver.server()
+        try:
+            worker = server.fork(env, theirs, log, spawn) if server else None
+        except OSError:  # the server just ended
+            worker = None
+        if worker is None:
+            worker = spawn()
+            theirs.close()
+        self.procs.append(worker)
         self.conns.append(Connection(ours.detach()))
 
     def fit(self, data: Any, call: bytes, options: dict, mirror: Any) -> Tuple[list, bool]:
@@ -305,10 +325,7 @@ class WorkerGroup:
         """Kill every worker and whatever it started (its data loader processes), at once."""
         for proc in self.procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                proc.kill_group()
         for proc in self.procs:
             proc.wait()
         for conn in self.conns:

@@ -5,7 +5,8 @@ first fit's DDP would (while the notebook's user works), and serves commands on 
 method here (`messages` names them). A fit runs in the adapter's fitting module, named in FITTING_ENV
 (`adapter.Fitting`); rank 0 relays its progress bars and prints while it fits; a fit that fails sends rank
 0's results as of its last completed step, then the error, and leaves the process group. SIGUSR1 asks a fit to stop
-(every rank stops after the same step). It exits when the notebook's process dies.
+(every rank stops after the same step). It exits when its parent dies: the notebook, or the notebook's fork server
+(which ends with the notebook).
 """
 import ipaddress
 import os

@@ -1,0 +1,146 @@
+"""A kernel's fork server (ddipp.core.group.forkserver): the worker group forks its workers from it, started as this
+test process's, with the plain-torch fitting module: they fit as spawned workers do, start at once once the server
+imported what they need, report their deaths with their signal, and leave nothing behind, however they end; a server
+that ended leaves the group to spawn its workers."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import cloudpickle
+import numpy as np
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddipp.core.group import forkserver
+from ddipp.core.group.group import SpawnedWorker, WorkerError, _groups, group_for, shutdown
+
+CPU2 = ("cpu", "cpu")
+FITTING = "torch_fitting"  # tests/core/workers/torch_fitting.py
+
+
+@pytest.fixture
+def server():
+    """A fork server for this process that imported the worker and the fitting module; stopped after the test."""
+    forkserver.start(["ddipp.core.group.worker", FITTING])
+    yield forkserver._server
+    shutdown()
+    forkserver.stop()
+
+
+def fit(group, call) -> object:
+    results, interrupted = group.fit(torch.arange(4.0), cloudpickle.dumps(call), {}, None)
+    assert not interrupted
+    return cloudpickle.loads(results[0])
+
+
+def drawn(data, device):
+    """Every rank's all-reduced data, its pid and parent's, and a draw of numpy's and torch's generators."""
+    total = data + dist.get_rank() + 1
+    dist.all_reduce(total)
+    mine = torch.tensor([os.getpid(), os.getppid(), np.random.randint(1 << 30), torch.randint(1 << 30, ())])
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return total, [t.tolist() for t in every]
+
+
+def die_on_rank1(data, device):
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(data)
+
+
+def _all_end(pids: list, timeout: float = 15) -> bool:
+    """Whether the processes `pids` end (or ended) within `timeout` seconds."""
+    running = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            running.append(psutil.Process(pid))
+    return psutil.wait_procs(running, timeout=timeout)[1] == []
+
+
+def _forked_pids(server) -> list:
+    return [p.pid for p in psutil.Process(server.proc.pid).children()]
+
+
+@pytest.mark.slow  # starts a fork server and a worker group
+def test_workers_forked_from_the_server_fit_as_spawned_ones_with_fresh_generators(server):
+    group = group_for(CPU2, 60, FITTING)
+    total, ranks = fit(group, drawn)
+    assert total.tolist() == [3.0, 5.0, 7.0, 9.0]
+    assert {(pid, parent) for pid, parent, *_ in ranks} == {(pid, server.proc.pid) for pid in _forked_pids(server)}
+    assert ranks[0][2] != ranks[1][2] and ranks[0][3] != ranks[1][3]  # seeded from the OS, as fresh interpreters
+
+
+@pytest.mark.slow  # starts a fork server and a worker group
+def test_a_forked_rank_killed_is_named_with_its_signal_and_none_is_left(server):
+    group = group_for(CPU2, 60, FITTING)
+    with pytest.raises(WorkerError) as raised:
+        fit(group, die_on_rank1)
+    assert "rank 1" in str(raised.value) and "killed by SIGKILL" in str(raised.value)
+    assert _forked_pids(server) == []
+    assert fit(group_for(CPU2, 60, FITTING), drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
+
+
+@pytest.mark.slow  # starts a fork server and a worker group
+def test_a_group_whose_server_ended_before_forking_spawns_its_workers():
+    forkserver.start(["ddipp_no_such_module"])  # the server fails to import it and ends
+    try:
+        group = group_for(CPU2, 60, FITTING)
+        assert fit(group, drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
+        assert all(isinstance(proc.spawned, SpawnedWorker) for proc in group.procs)
+        assert forkserver.server() is None and isinstance(group_for(("cpu",), 60, FITTING).procs[0], SpawnedWorker)
+    finally:
+        shutdown()
+        forkserver.stop()
+
+
+@pytest.mark.slow  # starts a fork server and a worker group
+def test_a_group_killed_before_the_server_forked_it_leaves_no_worker(tmp_path, monkeypatch):
+    """The server still imports (a gate holds it): the group is killed at once; the server kills what it forks."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("DDIPP_TEST_GATE", str(gate))
+    forkserver.start(["gated_fitting"])  # tests/core/workers/gated_fitting.py: imported once `gate` exists
+    server = forkserver._server
+    try:
+        killed = group_for(CPU2, 60, FITTING).procs
+        _groups[CPU2].kill()
+        assert [proc.poll() for proc in killed] == [-signal.SIGKILL] * 2 and CPU2 not in _groups
+        gate.touch()
+        group = group_for(CPU2, 60, FITTING)  # forked once the server is ready, after the killed group's
+        assert fit(group, drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
+        assert _all_end([server.pids[proc.request] for proc in killed])
+        assert sorted(_forked_pids(server)) == sorted(proc.pid for proc in group.procs)
+    finally:
+        shutdown()
+        forkserver.stop()
+
+
+KERNEL = textwrap.dedent("""
+    import ipykernel, os, sys, time  # a Jupyter kernel has ipykernel imported: import ddipp starts the fork server
+    import ddipp, cloudpickle, torch
+    from ddipp.core.group import forkserver
+    from ddipp.core.group.group import group_for
+    group = group_for(("cpu", "cpu"), 600, "torch_fitting")
+    group.fit(torch.arange(4.0), cloudpickle.dumps(lambda data, device: None), {}, None)
+    print("pids", forkserver.server().proc.pid, *[proc.pid for proc in group.procs], flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.slow  # starts a kernel, its fork server and a worker group
+def test_import_ddipp_in_a_kernel_starts_the_server_and_a_killed_kernel_leaves_no_process():
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = next(line for line in kernel.stdout if line.startswith("pids "))
+        server, *workers = map(int, pids.split()[1:])
+        assert sorted(p.pid for p in psutil.Process(server).children()) == sorted(workers) and len(workers) == 2
+        kernel.kill()
+        assert _all_end([server, *workers])
+    finally:
+        kernel.kill()
+        kernel.wait()
