@@ -37,6 +37,17 @@ def importable_in_subprocesses():
         yield
 
 
+@pytest.fixture(autouse=True)
+def fork_server(request, importable_in_subprocesses):
+    """The fastai tests' worker groups are forked from a fork server, as a Jupyter kernel's are (one for the session);
+    the core tests' are not: they test the group with and without one."""
+    from ddipp.core.group import forkserver
+    if request.path.relative_to(ROOT / "tests").parts[0] == "core":
+        forkserver.stop()
+    else:
+        forkserver.start(["ddipp.core.group.worker", f"ddipp.fastai{FASTAI_MAJOR}.notebook.fitting", "torch._dynamo"])
+
+
 @pytest.fixture(scope="session")
 def digits_path(tmp_path_factory):
     from digits import digits_folder

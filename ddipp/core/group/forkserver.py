@@ -211,6 +211,7 @@ def serve() -> None:
     """Import sys.argv[1:], then fork a worker for each request until the kernel ends (its socket closes, or this
     process's parent changes); then kill the workers still running. Exits at once if forking is not safe."""
     import importlib
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # it ends with the kernel only; its workers get Python's handler back
     sock = socket.socket(fileno=int(os.environ.pop(SOCKET_FD_ENV)))
     kernel = os.getppid()
     for name in sys.argv[1:]:
@@ -277,6 +278,7 @@ def _run_worker(env: Dict[str, str], log: str, conn_fd: int, closing: List[int])
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         for fd in closing:
             os.close(fd)
         out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import cloudpickle
 import numpy as np
 import psutil
 import pytest
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from ddipp.core.group import forkserver
 from ddipp.core.group.group import SpawnedWorker, WorkerError, _groups, group_for, shutdown
+from test_group import fit, summed
 
 CPU2 = ("cpu", "cpu")
 FITTING = "torch_fitting"  # tests/core/workers/torch_fitting.py
@@ -32,16 +32,9 @@ def server():
     forkserver.stop()
 
 
-def fit(group, call) -> object:
-    results, interrupted = group.fit(torch.arange(4.0), cloudpickle.dumps(call), {}, None)
-    assert not interrupted
-    return cloudpickle.loads(results[0])
-
-
 def drawn(data, device):
-    """Every rank's all-reduced data, its pid and parent's, and a draw of numpy's and torch's generators."""
-    total = data + dist.get_rank() + 1
-    dist.all_reduce(total)
+    """test_group's `summed` total, and every rank's pid, parent's pid and a draw of numpy's and torch's generators."""
+    total = summed(data, device)[2]
     mine = torch.tensor([os.getpid(), os.getppid(), np.random.randint(1 << 30), torch.randint(1 << 30, ())])
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
