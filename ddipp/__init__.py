@@ -14,7 +14,7 @@ if sys.argv[:1] != ["-m"]:
     FASTAI_MAJOR = int(version("fastai").split(".")[0])
     from .core.group import forkserver
     if forkserver.in_a_kernel():  # to_ddp's workers are forked from a process that imported what they need
-        forkserver.start(["ddipp.core.group.worker", f"ddipp.fastai{FASTAI_MAJOR}.notebook.fitting", "torch._dynamo"])
+        forkserver.start(forkserver.worker_modules(f"ddipp.fastai{FASTAI_MAJOR}.notebook.fitting"))
     from .core.collectives import all_gather, reduce_sum
     from .core.dist import barrier, device, is_rank0, rank, world_size
     from .core.group.group import shutdown

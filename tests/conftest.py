@@ -45,7 +45,7 @@ def fork_server(request, importable_in_subprocesses):
     if request.path.relative_to(ROOT / "tests").parts[0] == "core":
         forkserver.stop()
     else:
-        forkserver.start(["ddipp.core.group.worker", f"ddipp.fastai{FASTAI_MAJOR}.notebook.fitting", "torch._dynamo"])
+        forkserver.start(forkserver.worker_modules(f"ddipp.fastai{FASTAI_MAJOR}.notebook.fitting"))
 
 
 @pytest.fixture(scope="session")

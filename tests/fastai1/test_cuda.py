@@ -40,7 +40,7 @@ def test_a_launched_rank_trains_on_the_listed_gpu_with_nccl(tmp_path, cpu_fit):
 def test_notebook_mode_on_a_gpu_after_this_process_used_cuda(tmp_path, cpu_fit, forked):
     """Forked: the workers come from a kernel's fork server, which must not have touched CUDA."""
     if forked:
-        forkserver.start(["ddipp.core.group.worker", "ddipp.fastai1.notebook.fitting", "torch._dynamo"])
+        forkserver.start(forkserver.worker_modules("ddipp.fastai1.notebook.fitting"))
     here = torch.device("cuda", 0)
     learn = digits_learner(place_data(digits_data(tmp_path, bs=32), here))
     learn.model.to(here)  # this process has a CUDA context now: fork-based launchers would refuse

@@ -19,10 +19,20 @@ import time
 import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 SOCKET_FD_ENV = "DDIPP_FORK_SERVER_FD"  # the server's end of its socket to the kernel
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder that holds ddipp
+
+
+def pythonpath(environ: Mapping[str, str]) -> str:
+    """`environ`'s PYTHONPATH with the folder that holds ddipp first: what a process ddipp starts imports from."""
+    return os.pathsep.join(filter(None, [_PACKAGE_ROOT, environ.get("PYTHONPATH")]))
+
+
+def worker_modules(fitting: str) -> List[str]:
+    """What a notebook worker imports before its first fit with the adapter's module `fitting`: the server's preload."""
+    return ["ddipp.core.group.worker", fitting, "torch._dynamo"]  # DDP's constructor and the optimizer import dynamo
 _MESSAGE_BYTES = 1 << 20  # the largest request (a worker's environment) or reply
 
 
@@ -32,7 +42,7 @@ class ForkServer:
     def __init__(self, preload: List[str]):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message a request or reply
         env = dict(os.environ, **{SOCKET_FD_ENV: str(theirs.fileno())}, PYTORCH_NVML_BASED_CUDA_CHECK="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
+                   PYTHONPATH=pythonpath(os.environ))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from ddipp.core.group.forkserver import serve; serve()", *preload], env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[theirs.fileno()],

@@ -39,7 +39,6 @@ START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and 
 LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
 STOP_DEADLINE = 4  # seconds an interrupted fit's ranks have to stop and send back what they trained
 PEER_GRACE = 5  # seconds the other ranks have to end their fit (and rank 0 to send what it trained) once one failed
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder that holds ddipp
 
 
 class WorkerError(RuntimeError):
@@ -347,7 +346,7 @@ def worker_env(rank: int, devices: Tuple[str, ...], timeout: float, store_port: 
     world = str(len(devices))
     return dict(environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
                 MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store_port), TORCHELASTIC_USE_AGENT_STORE="True",
-                PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, environ.get("PYTHONPATH")])),
+                PYTHONPATH=forkserver.pythonpath(environ),
                 **{ddist.ATTEMPT_ENV: str(attempt), ddist.PARENT_PID_ENV: str(os.getpid()),
                    ddist.FITTING_ENV: fitting},
                 **ddist.rank_env(device_list, timeout, len(devices), True, environ))
