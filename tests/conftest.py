@@ -85,11 +85,11 @@ def beyond_ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 
-def launch_2_ranks(script: Path, out: Path, nproc: int = 2) -> None:
-    """Run `script OUT` under ddipp's launcher on 2 (or `nproc`) CPU processes (a collective may wait 120 s); fail with
-    its output."""
+def launch_2_ranks(script: Path, out: Path, nproc: int = 2, args: tuple = ()) -> None:
+    """Run `script OUT *args` under ddipp's launcher on 2 (or `nproc`) CPU processes (a collective may wait 120 s);
+    fail with its output."""
     proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", str(nproc), "--timeout", "120", str(script),
-                           str(out)], capture_output=True, text=True, timeout=600)
+                           str(out), *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
 
 

@@ -11,8 +11,8 @@ from torch import nn
 import ddipp
 from scenario import digits_data, digits_learner, history, params, story
 
-# (batch size, drop_last): 1438 training items; 16 splits evenly over 2 ranks and leaves a last batch of 14, 15
-# splits evenly over 3 ranks
+# (batch size, drop_last): 1438 training items; the 2 launched ranks play 15, split 8 + 7, its short last batch
+# dropped; the 3 notebook processes play 16, split 6 + 5 + 5, and its last batch of 14 (5 + 5 + 4)
 SETTINGS = [(16, False), (15, True)]
 
 
@@ -36,13 +36,13 @@ class StopAfter2(LearnerCallback):
         return {"stop_training": epoch == 1}
 
 
-def split_story(make, path) -> dict:
+def split_story(make, path, settings=SETTINGS) -> dict:
     """The story (lr_find included), a fit resumed from its Checkpoint and the same uninterrupted, then a fit with
     AccumulateScheduler (a summed loss, as it needs; SGD), one that
     EarlyStoppingCallback stops and one of a model with BatchNorm (sync_bn), each on a new learner from
-    `make(learner, **options)` (to_ddp, or nothing for the reference)."""
+    `make(learner, **options)` (to_ddp, or nothing for the reference), for each of `settings`."""
     res = {}
-    for bs, drop_last in SETTINGS:
+    for bs, drop_last in settings:
         def learner():
             return make(digits_learner(digits_data(path, bs=bs, drop_last=drop_last)))
         key = f"bs{bs}"

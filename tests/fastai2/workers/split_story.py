@@ -11,8 +11,8 @@ from torch import nn
 import ddipp
 from fit_story import StepLosses, digits_dls, digits_learner, history, params, story, sweep
 
-# (batch size, drop_last): 645 training items; 16 splits evenly over 2 ranks and leaves a last batch of 5, 15 splits
-# evenly over 3 ranks
+# (batch size, drop_last): 645 training items; the 2 launched ranks play 15, split 8 + 7, its short last batch
+# dropped; the 3 notebook processes play 16, split 6 + 5 + 5, and its last batch of 5 (2 + 2 + 1)
 SETTINGS = [(16, False), (15, True)]
 
 
@@ -37,13 +37,13 @@ class StopAfter2(Callback):
             raise CancelFitException()
 
 
-def split_story(make, path) -> dict:
+def split_story(make, path, settings=SETTINGS) -> dict:
     """The fit story, lr_find, a fit resumed from its Checkpoint and the same uninterrupted, then a fit with
     GradientAccumulation, one that EarlyStoppingCallback stops and one of a
     model with BatchNorm (sync_bn), each on a new learner from `make(learner, **options)` (to_ddp, or nothing for the
-    reference)."""
+    reference), for each of `settings`."""
     res = {}
-    for bs, drop_last in SETTINGS:
+    for bs, drop_last in settings:
         def learner():
             return make(digits_learner(digits_dls(bs=bs, drop_last=drop_last), path))
         key = f"bs{bs}"
