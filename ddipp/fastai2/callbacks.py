@@ -1,21 +1,24 @@
 """fastai v2 callbacks that make a fit distributed: DistributedCallback, LRFinderBypassCallback, GCCallback.
 
 fastai 2.8 reads WORLD_SIZE/RANK itself, and ddipp relies on that where it is right: `save`/`export` write on rank 0
-only, `load`/`load_learner` wait at a barrier first (so every rank reads what rank 0 wrote), the smoothed training
-loss is averaged over ranks. It takes over where fastai is wrong: validation is split exactly (fastai's own
-DistributedDL pads by wrapping around and averages per rank), lr_find sweeps once (fastai's LRFinder reloads its
-weights on rank 0 only, behind a barrier the other ranks never reach).
+only, `load`/`load_learner` wait at a barrier first (so every rank reads what rank 0 wrote). It takes over where
+fastai is wrong: validation is split exactly (fastai's own DistributedDL pads by wrapping around and averages per
+rank), lr_find sweeps once (fastai's LRFinder reloads its weights on rank 0 only, behind a barrier the other ranks never
+reach), and where it waits for nothing: each step's loss is already the global batch's on every rank, so the Recorder
+smooths it without gathering it again.
 """
 import copy
 import os
 from contextlib import ExitStack, contextmanager
 
+import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import CSVLogger, ProgressCallback, ShowGraphCallback
 from fastai.callback.schedule import LRFinder
 from fastai.callback.training import GradientAccumulation
 from fastai.data.load import DataLoader
+from fastai.learner import AvgSmoothLoss
 from fastai.torch_core import to_detach
 
 from ..core import dist as ddist
@@ -140,6 +143,7 @@ class DistributedCallback(Callback):
         self.undo.callback(_set_train, learn.dls, train)
         learn.dls.train, self.shard = shard, shard
         self._accumulate_global_samples()
+        self._smooth_global_loss()
         self.running = True
 
     def _quiet(self) -> None:
@@ -164,6 +168,15 @@ class DistributedCallback(Callback):
             if isinstance(cb, GradientAccumulation):
                 self.undo.callback(setattr, cb, "n_acc", cb.n_acc)
                 cb.n_acc = cb.n_acc / self.world_size
+
+    def _smooth_global_loss(self) -> None:
+        """fastai's Recorder averages each step's loss over the ranks to smooth it (an all-gather every rank waits on);
+        after_step already made it the global batch's on every rank: for this fit it is smoothed as it is."""
+        recorder = getattr(self.learn, "recorder", None)
+        if recorder is None or type(recorder.smooth_loss) is not AvgSmoothLoss:  # a smoother of the user's own
+            return
+        smooth = recorder.smooth_loss = GlobalSmoothLoss(recorder.smooth_loss)
+        self.undo.callback(smooth.hand_back, recorder)
 
     def undistribute(self) -> None:
         """Put back the plain model and the original loaders (and whatever else this fit changed)."""
@@ -242,6 +255,23 @@ class DistributedCallback(Callback):
             return
         sizes = self.parts.sizes(learn.iter)
         learn.pred, learn.yb = unshard(learn.pred, sizes), unshard(learn.yb, sizes)
+
+
+class GlobalSmoothLoss(AvgSmoothLoss):
+    """fastai's smoothed training loss of a loss that is already the same global one on every rank: not gathered."""
+
+    def __init__(self, fastai_own: AvgSmoothLoss):
+        super().__init__(fastai_own.beta)
+        self.fastai_own = fastai_own
+
+    def accumulate(self, learn) -> None:
+        self.count += 1
+        self.val = torch.lerp(to_detach(learn.loss.mean(), gather=False), self.val, self.beta)
+
+    def hand_back(self, recorder) -> None:
+        """Put fastai's own smoother back on `recorder`, where this one left off."""
+        self.fastai_own.count, self.fastai_own.val = self.count, self.val
+        recorder.smooth_loss = self.fastai_own
 
 
 def distributed_fit(learn):

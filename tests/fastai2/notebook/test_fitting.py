@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from fastai.callback.core import Callback
 from fastai.learner import load_learner
 
@@ -155,6 +156,35 @@ def test_a_refit_sends_only_what_changed_and_every_change_is_honoured(notebook, 
     assert first > weights and unchanged < 10_000 and frozen < 10_000, sent["sent"]  # the workers held the rest
     assert 64 * 4 * 512 < edited - unchanged < 2 * 64 * 4 * 512  # the edited weight alone
     assert loaded > 3 * weights and new_opt < 10_000  # load: weights and moments of before; SGD: no state
+
+
+class CountsTrainingGathers(Callback):
+    """Counts the all-gathers torch.distributed runs during the training batches of a fit (fastai's maybe_gather calls
+    it through the module, so a wrapper set there sees them)."""
+    def before_fit(self):
+        self.gathers, self.steps, self.fastai_own = 0, 0, dist.all_gather
+
+        def counted(*args, **kwargs):
+            self.gathers += self.training
+            return self.fastai_own(*args, **kwargs)
+        dist.all_gather = counted
+
+    def after_batch(self):
+        self.steps += self.training
+
+    def after_fit(self):
+        dist.all_gather, self.fastai_own = self.fastai_own, None
+
+
+@pytest.mark.slow
+def test_a_training_step_waits_on_no_gather_the_recorder_smooths_the_global_loss(notebook, reference, tmp_path):
+    """DistributedCallback makes each step's loss the global batch's on every rank: fastai's Recorder need not gather
+    it again (a blocking all-gather each step); its smoothed losses stay one process's (the story's fits, above)."""
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    counter = CountsTrainingGathers()
+    learn.fit(1, 1e-2, cbs=counter)
+    assert (counter.steps, counter.gathers) == (len(learn.dls.train) // 2, 0)
+    assert close(notebook["fit"]["losses"], reference["fit"]["losses"])
 
 
 class SaysHello(Callback):
