@@ -175,7 +175,8 @@ class DistributedCallback(Callback):
         recorder = getattr(self.learn, "recorder", None)
         if recorder is None or type(recorder.smooth_loss) is not AvgSmoothLoss:  # a smoother of the user's own
             return
-        smooth = recorder.smooth_loss = GlobalSmoothLoss(recorder.smooth_loss)
+        smooth = GlobalSmoothLoss(recorder.smooth_loss)
+        _set_quietly(recorder, "smooth_loss", smooth)
         self.undo.callback(smooth.hand_back, recorder)
 
     def undistribute(self) -> None:
@@ -271,7 +272,13 @@ class GlobalSmoothLoss(AvgSmoothLoss):
     def hand_back(self, recorder) -> None:
         """Put fastai's own smoother back on `recorder`, where this one left off."""
         self.fastai_own.count, self.fastai_own.val = self.count, self.val
-        recorder.smooth_loss = self.fastai_own
+        _set_quietly(recorder, "smooth_loss", self.fastai_own)
+
+
+def _set_quietly(cb: Callback, name: str, value) -> None:
+    """Set a callback's attribute that the learner has too (Recorder copies smooth_loss to it) without fastai's
+    warning of shadowing, which is for a user's callback."""
+    object.__setattr__(cb, name, value)
 
 
 def distributed_fit(learn):
