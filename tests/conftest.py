@@ -85,6 +85,29 @@ def beyond_ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 
+@pytest.fixture(scope="module")
+def split_reference(tmp_path_factory):
+    """This fastai's split_story.py (tests/fastai{N}/workers) in one process, both batch settings."""
+    from split_story import split_story
+    return split_story(lambda learn, **options: learn, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def split_launched(tmp_path_factory):
+    """What each of 2 launched ranks saw of the split story under split_batches, at bs=15: 8 + 7 a rank."""
+    out = tmp_path_factory.mktemp("launched")
+    launch_2_ranks(ROOT / "tests" / "workers" / "split_worker.py", out, args=["15"])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def split_notebook(tmp_path_factory):
+    """The split story on a notebook's 3 processes under split_batches, at bs=16: 6 + 5 + 5."""
+    from split_story import split_story
+    return split_story(lambda learn, **options: learn.to_ddp(nprocs=3, split_batches=True, **options),
+                       tmp_path_factory.mktemp("notebook"), [(16, False)])
+
+
 def launch_2_ranks(script: Path, out: Path, nproc: int = 2, args: tuple = ()) -> None:
     """Run `script OUT *args` under ddipp's launcher on 2 (or `nproc`) CPU processes (a collective may wait 120 s);
     fail with its output."""

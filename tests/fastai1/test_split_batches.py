@@ -2,38 +2,15 @@
 drop_last) and in notebook mode on 3 processes with bs=16 (6 + 5 + 5, a short last batch), each against the same
 story in one process at the same bs (each mode one setting: both took 2 minutes of CI more): weights, recorder,
 steps per epoch, lr_find, a Checkpoint's resume, AccumulateScheduler, EarlyStoppingCallback, BatchNorm with sync_bn."""
-from pathlib import Path
 
 import pytest
-import torch
 
 import ddipp  # noqa: F401 (adds Learner.to_ddp)
 from compare import TOL, close, max_diff
-from conftest import launch_2_ranks
 from scenario import digits_data, digits_learner
-from split_story import split_story
 
-WORKER = Path(__file__).parents[1] / "workers" / "split_worker.py"  # plays this fastai's split_story.py
 PHASES = ["fit", "frozen", "unfrozen", "loaded"]
 HISTORIES = ["fit", "fit_frozen", "fit_unfrozen", "sweep_before", "sweep_after"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return split_story(lambda learn, **options: learn, tmp_path_factory.mktemp("reference"))
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    out = tmp_path_factory.mktemp("launched")
-    launch_2_ranks(WORKER, out, args=["15"])  # bs=15 over 2 ranks: 8 + 7
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-
-
-@pytest.fixture(scope="module")
-def notebook(tmp_path_factory):  # bs=16 over 3 processes: 6 + 5 + 5
-    return split_story(lambda learn, **options: learn.to_ddp(nprocs=3, split_batches=True, **options),
-                       tmp_path_factory.mktemp("notebook"), [(16, False)])
 
 
 def check_story(run: dict, reference: dict) -> None:
@@ -57,14 +34,14 @@ def check_story(run: dict, reference: dict) -> None:
 
 
 @pytest.mark.slow
-def test_launched_ranks_train_as_one_process_with_the_same_batch(launched, reference):
-    for rank in launched:
-        check_story(rank, reference)
+def test_launched_ranks_train_as_one_process_with_the_same_batch(split_launched, split_reference):
+    for rank in split_launched:
+        check_story(rank, split_reference)
 
 
 @pytest.mark.slow
-def test_a_notebook_learner_trains_as_one_process_with_the_same_batch(notebook, reference):
-    check_story(notebook, reference)
+def test_a_notebook_learner_trains_as_one_process_with_the_same_batch(split_notebook, split_reference):
+    check_story(split_notebook, split_reference)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Mapping, Optional
 
 SOCKET_FD_ENV = "DDIPP_FORK_SERVER_FD"  # the server's end of its socket to the kernel
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder that holds ddipp
+_MESSAGE_BYTES = 1 << 20  # the largest request (a worker's environment) or reply
 
 
 def pythonpath(environ: Mapping[str, str]) -> str:
@@ -33,7 +34,6 @@ def pythonpath(environ: Mapping[str, str]) -> str:
 def worker_modules(fitting: str) -> List[str]:
     """What a notebook worker imports before its first fit with the adapter's module `fitting`: the server's preload."""
     return ["ddipp.core.group.worker", fitting, "torch._dynamo"]  # DDP's constructor and the optimizer import dynamo
-_MESSAGE_BYTES = 1 << 20  # the largest request (a worker's environment) or reply
 
 
 class ForkServer:
