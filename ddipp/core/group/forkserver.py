@@ -3,8 +3,8 @@ and what a worker's first fit imports, in the background while the user works; `
 it, so a group starts with those imports paid (4-8 s of a core each).
 
 The kernel itself is never forked (once it used CUDA, a fork fails at its first CUDA call); the server never touches
-CUDA (it asks NVML whether a GPU exists), and forks only while it runs one Python thread and no CUDA driver, else
-it exits and the workers start as fresh interpreters. It ends with the kernel, killing the workers it forked.
+CUDA (it asks NVML whether a GPU exists), and forks only while it runs one Python thread and its children can use
+CUDA, else it exits and the workers start as fresh interpreters. It ends with the kernel, killing the workers it forked.
 """
 import atexit
 import contextlib
@@ -262,13 +262,19 @@ def serve() -> None:
 
 
 def _fork_unsafe() -> bool:
-    """Whether a fork of this process could not use CUDA or would inherit a Python thread's state: a thread but this
-    one, the CUDA driver loaded or torch's CUDA initialised. (OpenBLAS's threads, which numpy and scipy start, stop
-    themselves at a fork.)"""
+    """Whether a fork of this process would inherit a Python thread's state (a thread but this one) or could not use
+    CUDA: torch's CUDA initialised, or on a GPU host a probe child that torch marks a bad fork. The driver library
+    mapped is no bar (torch's CUDA 13 wheels map it at import; a child forked then used CUDA on an H200), and OpenBLAS's
+    threads, which numpy and scipy start, stop themselves at a fork."""
     import torch
-    with open("/proc/self/maps") as maps:
-        driver = "libcuda.so" in maps.read()
-    return driver or torch.cuda.is_initialized() or threading.active_count() > 1
+    if torch.cuda.is_initialized() or threading.active_count() > 1:
+        return True
+    if not torch.cuda.is_available():  # through NVML (the server's environment): CUDA does not matter here
+        return False
+    probe = os.fork()
+    if probe == 0:
+        os._exit(int(torch.cuda._is_in_bad_fork()))
+    return os.waitstatus_to_exitcode(os.waitpid(probe, 0)[1]) != 0
 
 
 def _reap(sock: socket.socket, workers: Dict[int, int]) -> None:

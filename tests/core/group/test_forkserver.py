@@ -4,6 +4,7 @@ imported what they need, report their deaths with their signal, and leave nothin
 that ended leaves the group to spawn its workers."""
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,23 @@ def test_a_group_killed_before_the_server_forked_it_leaves_no_worker(tmp_path, m
         shutdown()
         forkserver.stop()
 
+
+
+@pytest.mark.slow  # starts a fork server and a worker group
+def test_a_server_that_mapped_the_cuda_driver_library_still_forks(tmp_path, monkeypatch):
+    """On an H200 `import torch` mapped libcuda.so.1 (torch's CUDA 13 wheels) and a child forked then used CUDA: a
+    driver merely loaded must not send every GPU host's workers back to spawning."""
+    libm = next(line.split()[-1] for line in open("/proc/self/maps") if "/libm.so" in line)
+    shutil.copy(libm, tmp_path / "libcuda.so.1")  # a harmless library under the driver's name
+    monkeypatch.setenv("DDIPP_TEST_LIBCUDA", str(tmp_path / "libcuda.so.1"))
+    forkserver.start(["ddipp.core.group.worker", "driver_fitting"])  # tests/core/workers/driver_fitting.py
+    try:
+        group = group_for(CPU2, 60, "driver_fitting")
+        assert fit(group, drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
+        assert [proc.spawned for proc in group.procs] == [None, None] and forkserver.server() is not None
+    finally:
+        shutdown()
+        forkserver.stop()
 
 KERNEL = textwrap.dedent("""
     import ipykernel, os, sys, time  # a Jupyter kernel has ipykernel imported: import ddipp starts the fork server
