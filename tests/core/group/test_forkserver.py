@@ -25,9 +25,13 @@ FITTING = "torch_fitting"  # tests/core/workers/torch_fitting.py
 
 
 @pytest.fixture
-def server():
-    """A fork server for this process that imported the worker and the fitting module; stopped after the test."""
-    forkserver.start(["ddipp.core.group.worker", FITTING])
+def server(tmp_path, monkeypatch):
+    """A fork server for this process that imported the worker and the fitting module, with a library named as the
+    CUDA driver mapped, as `import torch` maps it on a GPU host (an H200's server ended there); stopped after use."""
+    libm = next(line.split()[-1] for line in open("/proc/self/maps") if "/libm.so" in line)
+    shutil.copy(libm, tmp_path / "libcuda.so.1")  # a harmless library under the driver's name
+    monkeypatch.setenv("DDIPP_TEST_LIBCUDA", str(tmp_path / "libcuda.so.1"))
+    forkserver.start(["ddipp.core.group.worker", "driver_fitting"])  # tests/core/workers: FITTING, and the library
     yield forkserver._server
     shutdown()
     forkserver.stop()
@@ -107,29 +111,13 @@ def test_a_group_killed_before_the_server_forked_it_leaves_no_worker(tmp_path, m
         gate.touch()
         group = group_for(CPU2, 60, FITTING)  # forked once the server is ready, after the killed group's
         assert fit(group, drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
+        forked = sorted(proc.pid for proc in group.procs)  # read from the server, after the killed group's pids
         assert _all_end([server.pids[proc.request] for proc in killed])
-        assert sorted(_forked_pids(server)) == sorted(proc.pid for proc in group.procs)
+        assert sorted(_forked_pids(server)) == forked
     finally:
         shutdown()
         forkserver.stop()
 
-
-
-@pytest.mark.slow  # starts a fork server and a worker group
-def test_a_server_that_mapped_the_cuda_driver_library_still_forks(tmp_path, monkeypatch):
-    """On an H200 `import torch` mapped libcuda.so.1 (torch's CUDA 13 wheels) and a child forked then used CUDA: a
-    driver merely loaded must not send every GPU host's workers back to spawning."""
-    libm = next(line.split()[-1] for line in open("/proc/self/maps") if "/libm.so" in line)
-    shutil.copy(libm, tmp_path / "libcuda.so.1")  # a harmless library under the driver's name
-    monkeypatch.setenv("DDIPP_TEST_LIBCUDA", str(tmp_path / "libcuda.so.1"))
-    forkserver.start(["ddipp.core.group.worker", "driver_fitting"])  # tests/core/workers/driver_fitting.py
-    try:
-        group = group_for(CPU2, 60, "driver_fitting")
-        assert fit(group, drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
-        assert [proc.spawned for proc in group.procs] == [None, None] and forkserver.server() is not None
-    finally:
-        shutdown()
-        forkserver.stop()
 
 KERNEL = textwrap.dedent("""
     import ipykernel, os, sys, time  # a Jupyter kernel has ipykernel imported: import ddipp starts the fork server
