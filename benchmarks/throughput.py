@@ -398,7 +398,8 @@ starting the command to the first training step of any rank (interpreter, import
 the largest rank's (for notebook mode, a worker's). Validation items counted: the items the models' forward passes
 evaluated in the last validation, all ranks together. Final accuracy, after {EPOCHS} epochs: 2 processes at a batch
 of {BS} each take half the steps of one process with twice its batch, so they end elsewhere; a `split_batches` row
-takes one process's steps on one process's batches and ends at its accuracy:
+takes one process's steps on one process's batches and ends at its accuracy, to the rounding of a gradient summed in
+another order, which {EPOCHS} epochs of Adam carry:
 
 {split_against_one(runs)}
 
