@@ -1,10 +1,11 @@
 """Notebook mode's cold start, fastai v1 and v2 in one run: how long `learn.to_ddp(nprocs=2)` blocks, and the seconds
 from the call to the first training step when `learn.fit(1)` follows at once (one cell) or 20 s later (the user works
 in between), `to_ddp` called right after the learner is built or 10 s after `import ddipp` (the notebook's cells in
-between; the kernel's fork server has imported by then), beside fastai v2's own notebook recipe (accelerate's `notebook_launcher` with
-`distrib_ctx(in_notebook=True)`, at once). Each measurement is a fresh interpreter that has imported ipykernel, ddipp,
-torch and fastai and built throughput.py's learner (small CNN, digits, batch 64 a process): a kernel before the cell.
-Prints a table and writes benchmarks/results/cold_start.json.
+between; the kernel's fork server has imported by then), beside fastai v2's own notebook recipe (accelerate's
+`notebook_launcher` with `distrib_ctx(in_notebook=True)`, at once). Each measurement is a fresh interpreter that has
+imported ipykernel, then ddipp (before torch, as README's notebooks do), torch and fastai, and built throughput.py's
+learner (small CNN, digits, batch 64 a process): a kernel before the cell. Prints a table and writes
+benchmarks/results/cold_start.json.
 
     .venv/bin/python benchmarks/cold_start.py        # from the repository root; needs both virtualenvs (+ accelerate)
 """
@@ -119,8 +120,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--one"]:
-        import torch
-        torch.set_num_threads(1)
         name, out = sys.argv[2], Path(sys.argv[3])
         call = one(*RUNS[name], out)
         (out / "call.json").write_text(json.dumps(call))

@@ -33,7 +33,7 @@ from ..files import owned_dir_prefix, sweep_stale_dirs
 from ..notes import add_note
 from ..store import LOOPBACK, loopback_listener, loopback_store
 from .messages import DONE, ERROR, FIT, KEEP_DATA, LEAVE, READY, SET_CONTEXT, STOP
-from .wire import digest, dumps, receive, send
+from .wire import broadcast, digest, dumps, receive, send
 
 START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
 LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
@@ -78,7 +78,7 @@ class WorkerGroup:
         self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
         self.data_digest = None
         self.held = frozenset()  # digests of the tensors every worker kept from the last fit (the call names them)
-        self.last_sent = {}  # bytes the last fit sent: "data", "call" (to all ranks) and "results" (back)
+        self.last_sent = {}  # bytes the last fit sent: "data", "call" (written once for all ranks), "results" (back)
         sweep_stale_dirs(Path(tempfile.gettempdir()), LOGS_KIND)  # left by notebooks that were killed
         self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
         self.store = loopback_store(loopback_listener(), timedelta(seconds=START_TIMEOUT))
@@ -136,15 +136,15 @@ class WorkerGroup:
         """Run one fit on every rank, replaying rank 0's progress events on `mirror` (called with each event's name
         and arguments; `mirror.interrupt()` when a fit is interrupted): rank 0's results and whether an interrupt
         stopped the fit (every rank after the same step; what was trained comes back all the same)."""
+        pickled = _pickled_data(data)  # while the workers may still be starting
         self.wait_ready()
         interrupted, self.trained, self.unanswered = False, None, set(range(len(self.conns)))
         self.fits += 1
         try:
             for conn in self.conns:
                 send(conn, (SET_CONTEXT, os.getcwd(), sys.path))
-            data_bytes = self._keep_data(data)
-            for conn in self.conns:
-                send(conn, (FIT, self.data_digest, call, options, self.fits))
+            data_bytes = self._keep_data(*pickled)
+            broadcast(self.conns, (FIT, self.data_digest, call, options, self.fits))
             self.replies = {}
             try:
                 self._collect(DONE, on_event=mirror)
@@ -153,7 +153,7 @@ class WorkerGroup:
                 self._stop_fit(mirror)
             results = self.replies[0][0]
             self.held = frozenset.intersection(*(frozenset(kept) for _, kept in self.replies.values()))
-            self.last_sent = dict(data=data_bytes, call=len(call) * len(self.conns), results=sum(map(len, results)))
+            self.last_sent = dict(data=data_bytes, call=len(call), results=sum(map(len, results)))
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt) or self.unanswered or not self.alive:
                 self.kill()
@@ -193,21 +193,14 @@ class WorkerGroup:
         os.kill(self.procs[0].pid, signal.SIGUSR1)  # rank 0 passes it on to the others with the step's loss
         self._collect(DONE, on_event=mirror, deadline=time.monotonic() + STOP_DEADLINE, late=KeyboardInterrupt)
 
-    def _keep_data(self, data: Any) -> int:
-        """Send `data` to every worker unless they already keep an equal one; the bytes sent."""
-        buffers = []
-        blob = dumps(data, buffers=buffers)
-        data_digest = digest(blob, buffers)
+    def _keep_data(self, data_digest: str, blob: bytes, buffers: list) -> int:
+        """Send the pickled data to every worker unless they already keep an equal one; the bytes written for them."""
         if data_digest == self.data_digest:
             return 0
         self.data_digest = None
-        sizes = [buf.raw().nbytes for buf in buffers]
-        for conn in self.conns:
-            send(conn, (KEEP_DATA, data_digest, blob, sizes))
-            for buf in buffers:
-                conn.send_bytes(buf.raw())
+        written = broadcast(self.conns, (KEEP_DATA, data_digest, blob, buffers))
         self.data_digest = data_digest
-        return (len(blob) + sum(sizes)) * len(self.conns)
+        return written
 
     def _collect(self, expected: str, on_event: Callable = None, deadline: Optional[float] = None,
                  late: Callable[[], BaseException] = None) -> None:
@@ -333,6 +326,13 @@ class WorkerGroup:
         if _groups.get(self.devices) is self:
             del _groups[self.devices]
         shutil.rmtree(self.logs, ignore_errors=True)
+
+
+def _pickled_data(data: Any) -> Tuple[str, bytes, list]:
+    """`data` pickled for the workers, its arrays out of band, and its digest: equal data, equal digest."""
+    buffers = []
+    blob = dumps(data, buffers=buffers)
+    return digest(blob, buffers), blob, buffers
 
 
 def worker_env(rank: int, devices: Tuple[str, ...], timeout: float, store_port: int, fitting: str, attempt: int = 0,

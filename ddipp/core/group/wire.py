@@ -6,16 +6,20 @@ the receiver's device, so no process ever touches another's GPU; parameters trav
 tensors travel as numpy arrays whose bytes go out of band (no copy into the pickle, and equal data pickles to
 equal bytes); a tensor the receiving workers already hold from their last fit travels as its digest (`HeldTensors`);
 the weak references fastai's callbacks keep to their learner survive the trip; a closed file travels as None.
+What goes to every worker (a fit, its data) is written once to a shared-memory file that each maps (`broadcast`).
 """
 import copyreg
 import hashlib
 import io
+import mmap
+import os
 import pickle
 import re
 import types
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
 from typing import AbstractSet, Any, Dict, Hashable, Iterable, List, Optional, Tuple, Union
 
 import cloudpickle
@@ -29,6 +33,8 @@ _OBJECT_GETSTATE = getattr(object, "__getstate__", None)  # Python 3.11's; a cla
 HELD_MIN_BYTES = 1024  # a smaller tensor travels whole: naming it by digest would save next to nothing
 _receiver_device = torch.device("cpu")  # where CUDA tensors land while `loads` runs
 _receiver_held: Optional["HeldTensors"] = None  # the tensors a `loads` may take by digest
+_SHARED = "shared"  # a message whose body is in the shared-memory file whose descriptor follows it
+_ALIGN = 64  # where each part of a shared message may start: numpy's arrays on it are aligned for any dtype
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex64, torch.complex128, torch.int64,
                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
 
@@ -289,9 +295,44 @@ def send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(dumps(message))
 
 
+def broadcast(conns: List[Connection], message: tuple) -> int:
+    """Send `message` to every connection at once: pickled once (its arrays, pickle buffers included, out of band) into
+    one shared-memory file that each receiver maps copy-on-write (`receive`), so a learner's data or model is written
+    once whatever the number of workers, and they share its pages until one writes to them. The bytes written."""
+    buffers: List[pickle.PickleBuffer] = []
+    parts = [memoryview(dumps(message, buffers=buffers)), *(buf.raw() for buf in buffers)]
+    spans, end = [], 0
+    for part in parts:
+        spans.append((end, part.nbytes))
+        end += -(-part.nbytes // _ALIGN) * _ALIGN
+    fd = os.memfd_create("ddipp-message", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, end)
+        with mmap.mmap(fd, end) as file:
+            for (start, size), part in zip(spans, parts):
+                file[start:start + size] = part
+        for conn in conns:
+            send(conn, (_SHARED, spans))
+            send_handle(conn, fd, None)
+    finally:
+        os.close(fd)
+    return sum(size for _, size in spans)
+
+
 def receive(conn: Connection) -> tuple:
-    """The next message `send` sent on `conn`."""
-    return loads(conn.recv_bytes())
+    """The next message `send` or `broadcast` sent on `conn` (a broadcast one's arrays on the shared file's pages)."""
+    message = loads(conn.recv_bytes())
+    if message[0] != _SHARED:
+        return message
+    spans = message[1]
+    fd = recv_handle(conn)
+    try:
+        file = mmap.mmap(fd, spans[-1][0] + spans[-1][1], flags=mmap.MAP_PRIVATE)  # its writes its own
+    finally:
+        os.close(fd)
+    view = memoryview(file)
+    parts = [view[start:start + size] for start, size in spans]
+    return loads(parts[0], buffers=parts[1:])
 
 
 def digest(blob: bytes, buffers: List[pickle.PickleBuffer]) -> str:

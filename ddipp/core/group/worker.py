@@ -87,11 +87,8 @@ class Worker:
         os.chdir(cwd)
         sys.path[:] = path + [p for p in sys.path if p not in path]
 
-    def keep_data(self, digest: str, blob: bytes, sizes: list) -> None:
+    def keep_data(self, digest: str, blob: bytes, buffers: list) -> None:
         self.data, self.data_digest = None, None  # free the previous data first
-        buffers = [bytearray(size) for size in sizes]  # writable: the arrays built on them are the data
-        for buf in buffers:
-            self.conn.recv_bytes_into(buf)
         self.data = self.fitting.place_data(loads(blob, device=self.device, buffers=buffers), self.device)
         self.data_digest = digest
 

@@ -1,9 +1,15 @@
-"""The wire's pickling (ddipp.core.group.wire): what travels as a stand-in, and how what cannot travel is named."""
+"""The wire (ddipp.core.group.wire): what travels as a stand-in, how what cannot travel is named, and how one message
+reaches every worker."""
+import ctypes
+import socket
 import threading
 import typing
+from multiprocessing.connection import Connection
 from pathlib import Path
 
-from ddipp.core.group.wire import dumps, loads, unpicklable_path
+import torch
+
+from ddipp.core.group.wire import broadcast, dumps, loads, receive, unpicklable_path
 
 
 class Node:
@@ -31,3 +37,19 @@ def test_a_function_sent_by_value_keeps_the_names_its_string_annotations_read():
         return fn
 
     assert typing.get_type_hints(loads(dumps(create))) == {"fn": Path | str, "return": Path}
+
+
+def test_a_broadcast_is_written_once_and_each_receiver_maps_it_copy_on_write():
+    """As the group sends a learner's data to its workers: the data's arrays out of band, received in place."""
+    data = torch.arange(100_000, dtype=torch.float32)
+    buffers = []
+    blob = dumps({"x": data}, buffers=buffers)
+    pairs = [socket.socketpair() for _ in range(3)]
+    written = broadcast([Connection(ours.detach()) for ours, _ in pairs], ("keep_data", "digest", blob, buffers))
+    received = [receive(Connection(theirs.detach())) for _, theirs in pairs]
+    assert data.nbytes < written < data.nbytes + 2 * len(blob) + 1000  # once for all three
+    xs = [loads(blob, buffers=got_buffers)["x"] for _, _, blob, got_buffers in received]
+    assert all(torch.equal(x, data) for x in xs)
+    assert xs[0].data_ptr() == ctypes.addressof(ctypes.c_char.from_buffer(received[0][3][0]))  # not copied
+    xs[0][0] = -1  # writable, and the write is the receiver's own
+    assert xs[1][0] == 0 and xs[2][0] == 0 and data[0] == 0
