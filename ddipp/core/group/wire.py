@@ -327,7 +327,7 @@ def receive(conn: Connection) -> tuple:
     spans = message[1]
     fd = recv_handle(conn)
     try:
-        file = mmap.mmap(fd, spans[-1][0] + spans[-1][1], flags=mmap.MAP_PRIVATE)  # its writes its own
+        file = mmap.mmap(fd, spans[-1][0] + spans[-1][1], flags=mmap.MAP_PRIVATE)  # a worker's writes stay its own
     finally:
         os.close(fd)
     view = memoryview(file)
