@@ -33,7 +33,7 @@ from ..files import owned_dir_prefix, sweep_stale_dirs
 from ..notes import add_note
 from ..store import LOOPBACK, loopback_listener, loopback_store
 from .messages import DONE, ERROR, FIT, KEEP_DATA, LEAVE, READY, SET_CONTEXT, STOP
-from .wire import broadcast, digest, dumps, receive, send
+from .wire import broadcast, receive, send
 
 START_TIMEOUT = 300  # seconds a worker may take to import torch and fastai and join the group
 LOGS_KIND = "ddipp-workers"  # the workers' logs: a folder in the temp dir, removed when the group stops
@@ -132,18 +132,18 @@ class WorkerGroup:
         self.procs.append(worker)
         self.conns.append(Connection(ours.detach()))
 
-    def fit(self, data: Any, call: bytes, options: dict, mirror: Any) -> Tuple[list, bool]:
-        """Run one fit on every rank, replaying rank 0's progress events on `mirror` (called with each event's name
-        and arguments; `mirror.interrupt()` when a fit is interrupted): rank 0's results and whether an interrupt
-        stopped the fit (every rank after the same step; what was trained comes back all the same)."""
-        pickled = _pickled_data(data)  # while the workers may still be starting
+    def fit(self, data: Tuple[str, bytes, list], call: bytes, options: dict, mirror: Any) -> Tuple[list, bool]:
+        """Run one fit of the `data` (`wire.pickled_data`) on every rank, replaying rank 0's progress events on
+        `mirror` (called with each event's name and arguments; `mirror.interrupt()` when a fit is interrupted): rank
+        0's results and whether an interrupt stopped the fit (every rank after the same step; what was trained comes
+        back all the same)."""
         self.wait_ready()
         interrupted, self.trained, self.unanswered = False, None, set(range(len(self.conns)))
         self.fits += 1
         try:
             for conn in self.conns:
                 send(conn, (SET_CONTEXT, os.getcwd(), sys.path))
-            data_bytes = self._keep_data(*pickled)
+            data_bytes = self._keep_data(*data)
             broadcast(self.conns, (FIT, self.data_digest, call, options, self.fits))
             self.replies = {}
             try:
@@ -326,13 +326,6 @@ class WorkerGroup:
         if _groups.get(self.devices) is self:
             del _groups[self.devices]
         shutil.rmtree(self.logs, ignore_errors=True)
-
-
-def _pickled_data(data: Any) -> Tuple[str, bytes, list]:
-    """`data` pickled for the workers, its arrays out of band, and its digest: equal data, equal digest."""
-    buffers = []
-    blob = dumps(data, buffers=buffers)
-    return digest(blob, buffers), blob, buffers
 
 
 def worker_env(rank: int, devices: Tuple[str, ...], timeout: float, store_port: int, fitting: str, attempt: int = 0,

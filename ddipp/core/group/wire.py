@@ -360,8 +360,23 @@ def fit_request(objects: Dict[Hashable, Any], learner: Any, held: AbstractSet[st
         return dumps(call, objects=objects, learner=learner, held=held)
     except Exception as e:
         path = unpicklable_path({k: v for k, v in call.items() if k != "seed"}, {**objects, "learn": learner})
-        raise TypeError(f"ddipp sends the learner to its worker processes, and {path} cannot be pickled ({e}); "
-                        f"set it to None or delete it before the fit, or make its class picklable") from e
+        raise _unpicklable_error("learner", path, e) from e
+
+
+def pickled_data(data: Any, name: str) -> Tuple[str, bytes, list]:
+    """The learner's `data` (named `name`, e.g. "learn.dls") pickled for the workers, its arrays out of band, and its
+    digest: equal data, equal digest. TypeError naming the first part that cannot be pickled, and the fix."""
+    buffers = []
+    try:
+        blob = dumps(data, buffers=buffers)
+    except Exception as e:
+        raise _unpicklable_error("learner's data", unpicklable_path({name: data}, {}), e) from e
+    return digest(blob, buffers), blob, buffers
+
+
+def _unpicklable_error(what: str, path: str, error: Exception) -> TypeError:
+    return TypeError(f"ddipp sends the {what} to its worker processes, and {path} cannot be pickled ({error}); "
+                     f"set it to None or delete it before the fit, or make its class picklable")
 
 
 def without_unpicklable(state: dict, objects: Dict[Hashable, Any]) -> Tuple[dict, List[str]]:

@@ -70,7 +70,7 @@ def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = N
         if not hasattr(learn, "recorder"):
             learn.callback_fns[0](learn)
     binding.fit_on_group(
-        learn, learn.data, lambda held: fit_call(learn, held, epochs, lr, wd, callbacks), mirror,
+        learn, "data", lambda held: fit_call(learn, held, epochs, lr, wd, callbacks), mirror,
         apply_results=lambda results: apply_results(learn, results, mirror.bar, callbacks),
         kept=lambda: (len(getattr(learn.recorder, "nb_batches", [])), len(getattr(learn.recorder, "losses", []))),
         untrained=empty_recorder)

@@ -16,6 +16,6 @@ def fit_on_group(learn: Learner, n_epoch: int, lr: Any = None, wd: Any = None, c
     learn.ddp.say_global_batch(learn.dls.train.bs)  # again if new learn.dls changed the batch size
     callbacks, mirror = fit_callbacks(learn, cbs), ProgressMirror()  # listed before the call: both sides list the same
     binding.fit_on_group(
-        learn, learn.dls, lambda held: fit_call(learn, held, n_epoch, lr, wd, cbs, reset_opt, start_epoch), mirror,
+        learn, "dls", lambda held: fit_call(learn, held, n_epoch, lr, wd, cbs, reset_opt, start_epoch), mirror,
         apply_results=lambda results: apply_results(learn, results, mirror.bar, callbacks),
         kept=lambda: (len(getattr(learn.recorder, "values", [])), len(getattr(learn.recorder, "losses", []))))

@@ -124,8 +124,9 @@ KERNEL = textwrap.dedent("""
     import ddipp, cloudpickle, torch
     from ddipp.core.group import forkserver
     from ddipp.core.group.group import group_for
+    from ddipp.core.group.wire import pickled_data
     group = group_for(("cpu", "cpu"), 600, "torch_fitting")
-    group.fit(torch.arange(4.0), cloudpickle.dumps(lambda data, device: None), {}, None)
+    group.fit(pickled_data(torch.arange(4.0), "data"), cloudpickle.dumps(lambda data, device: None), {}, None)
     print("pids", forkserver.server().proc.pid, *[proc.pid for proc in group.procs], flush=True)
     time.sleep(600)
 """)

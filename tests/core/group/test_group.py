@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddipp.core.group.group import START_TIMEOUT, WorkerError, _groups, group_for, shutdown
+from ddipp.core.group.wire import pickled_data
 from ddipp.core.store import loopback_listener, loopback_store
 
 CPU2 = ("cpu", "cpu")
@@ -36,7 +37,7 @@ def no_group_left():
 
 def fit(group, call) -> object:
     """Run `call(data, device)` on every rank of `group`; rank 0's result."""
-    results, interrupted = group.fit(torch.arange(4.0), cloudpickle.dumps(call), {}, None)
+    results, interrupted = group.fit(pickled_data(torch.arange(4.0), "data"), cloudpickle.dumps(call), {}, None)
     assert not interrupted
     return cloudpickle.loads(results[0])
 

@@ -9,7 +9,7 @@ from torch import nn
 from fastai.basic_train import LearnerCallback
 
 from ddipp.fastai1.notebook.fitting import fit_call
-from ddipp.core.group.wire import HeldTensors, digest, dumps, loads
+from ddipp.core.group.wire import HeldTensors, digest, dumps, loads, pickled_data
 from ddipp.fastai1.notebook.shipping import data_objects, learner_objects
 from scenario import digits_data, digits_learner
 
@@ -101,6 +101,16 @@ def test_an_unpicklable_attribute_is_named_by_its_path(tmp_path):
     assert str(raised.value) == ("ddipp sends the learner to its worker processes, and learn.holds_a_lock.lock cannot "
                                  "be pickled (cannot pickle '_thread.lock' object); set it to None or delete it "
                                  "before the fit, or make its class picklable")
+
+
+def test_unpicklable_data_is_named_by_its_path(tmp_path):
+    data = digits_data(tmp_path, bs=16)
+    data.valid_dl.dl.dataset.lock = threading.Lock()
+    with pytest.raises(TypeError) as raised:
+        pickled_data(data, "learn.data")
+    assert str(raised.value) == ("ddipp sends the learner's data to its worker processes, and "
+                                 "learn.data.valid_dl.dl.dataset.lock cannot be pickled (cannot pickle '_thread.lock' "
+                                 "object); set it to None or delete it before the fit, or make its class picklable")
 
 
 def test_tensors_the_workers_hold_travel_as_digests_and_each_use_gets_a_tensor_of_its_own():

@@ -220,12 +220,22 @@ def test_an_unpicklable_callback_attribute_is_named_and_costs_nothing_else(noteb
 
 
 @pytest.mark.slow
-def test_an_unpicklable_learner_attribute_is_refused_before_the_fit_naming_its_path(notebook, tmp_path):
+def test_an_unpicklable_learner_or_data_attribute_is_refused_before_the_fit_naming_its_path(notebook, tmp_path):
     learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
     learn.handle = threading.Lock()
     with pytest.raises(TypeError) as raised:
         learn.fit(1, 1e-2)
     assert "learn.handle cannot be pickled" in str(raised.value)
+    del learn.handle
+    learn.dls.valid.dataset.lock = threading.Lock()
+    with pytest.raises(TypeError) as raised:
+        learn.fit(1, 1e-2)
+    assert "learner's data to its worker processes, and learn.dls.loaders[1].dataset.lock cannot be pickled" in str(
+        raised.value)
+    del learn.dls.valid.dataset.lock
+    before = params(learn)
+    learn.fit(1, 1e-2)
+    assert max_diff(params(learn), before) > 0
 
 
 class FailOnRank1(Callback):
