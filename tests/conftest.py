@@ -59,7 +59,7 @@ def ranks(tmp_path_factory):
     """What tests/workers/fit_worker.py saw on each of 2 launched ranks (per-rank batch 16), and its folder."""
     out = tmp_path_factory.mktemp("ddp")
     launch_2_ranks(WORKERS / "fit_worker.py", out)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)], out
+    return rank_files(out), out
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +74,7 @@ def core_ranks(tmp_path_factory):
     """What tests/core/workers/core_worker.py (plain torch) saw on each of 2 launched ranks, and its folder."""
     out = tmp_path_factory.mktemp("core")
     launch_2_ranks(ROOT / "tests" / "core" / "workers" / "core_worker.py", out)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+    return rank_files(out), out
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +82,7 @@ def beyond_ranks(tmp_path_factory):
     """What tests/workers/beyond_worker.py saw on each of 2 launched ranks, and its folder."""
     out = tmp_path_factory.mktemp("beyond")
     launch_2_ranks(WORKERS / "beyond_worker.py", out)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+    return rank_files(out), out
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def split_launched(tmp_path_factory):
     """What each of 2 launched ranks saw of the split story under split_batches, at bs=15: 8 + 7 a rank."""
     out = tmp_path_factory.mktemp("launched")
     launch_2_ranks(ROOT / "tests" / "workers" / "split_worker.py", out, args=["15"])
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return rank_files(out)
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +108,17 @@ def split_notebook(tmp_path_factory):
                        tmp_path_factory.mktemp("notebook"), [(16, False)])
 
 
-def launch_2_ranks(script: Path, out: Path, nproc: int = 2, args: tuple = ()) -> None:
-    """Run `script OUT *args` under ddipp's launcher on 2 (or `nproc`) CPU processes (a collective may wait 120 s);
-    fail with its output."""
-    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", str(nproc), "--timeout", "120", str(script),
+def launch_2_ranks(script: Path, out: Path, args: tuple = ()) -> None:
+    """Run `script OUT *args` under ddipp's launcher on 2 CPU processes (a collective may wait 120 s); fail with its
+    output."""
+    proc = subprocess.run([sys.executable, "-m", "ddipp.launch", "--nproc", "2", "--timeout", "120", str(script),
                            str(out), *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+def rank_files(out: Path) -> list:
+    """What each of 2 ranks saved in OUT/rank{r}.pt."""
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def launch_restartable(script: Path, out: Path, mode: str, nodes: int = 1) -> str:

@@ -14,7 +14,7 @@ from fastai.vision import ImageDataBunch, ImageList
 
 import ddipp
 from beyond import DieWriting, KillRank1, StopAt, ckpt_learner, resume_story
-from conftest import check_restart_said, image_folder, launch_restartable, tiny_cnn
+from conftest import check_restart_said, image_folder, launch_restartable, rank_files, tiny_cnn
 from ddipp.core.files import save_atomic
 from ddipp.core.group.group import shutdown
 from ddipp.core.rng import seed_all
@@ -142,8 +142,7 @@ def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_sto
     worker = Path(__file__).parent / "workers" / "restart_worker.py"
     said = launch_restartable(worker, tmp_path / "killed", "kill")
     launch_restartable(worker, tmp_path / "whole", "whole")
-    for r in range(2):
-        killed, whole = (torch.load(tmp_path / run / f"rank{r}.pt", weights_only=False) for run in ("killed", "whole"))
+    for killed, whole in zip(rank_files(tmp_path / "killed"), rank_files(tmp_path / "whole")):
         assert (killed["restarts"], whole["restarts"]) == (5, 0)
         assert max_diff(killed["params"], whole["params"]) <= 1e-6
         assert [len(killed["histories"][f]["val_losses"]) for f in (3, 4)] == [1, 3]  # each epoch once

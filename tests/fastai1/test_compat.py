@@ -23,7 +23,8 @@ import fastai.core
 import fastai.text.data
 from fastai.collab import CollabDataBunch, collab_learner
 from fastai.tabular import (Categorify, FillMissing, Normalize, TabularList, add_datepart, tabular_learner)
-from fastai.text import (AWD_LSTM, TextClasDataBunch, TextLMDataBunch, Tokenizer, language_model_learner)
+from fastai.text import (AWD_LSTM, TextClasDataBunch, TextLMDataBunch, Tokenizer, awd_lstm_lm_config,
+                         language_model_learner)
 from fastai.vision import (ImageDataBunch, ImageList, Learner, accuracy, accuracy_thresh, cnn_learner, get_transforms,
                            load_learner, models, open_image, simple_cnn)
 from fastai.basic_data import DataBunch, load_data
@@ -230,7 +231,8 @@ def test_text_language_model_and_sortish_classifier_loader(tmp_path):
     df = _texts()
     train, valid = df[:250], df[250:]  # 250 is not a multiple of bs: ragged chunks
     data_lm = TextLMDataBunch.from_df(tmp_path, train, valid, text_cols="text", bs=16, bptt=10, num_workers=0)
-    learn = language_model_learner(data_lm, AWD_LSTM, pretrained=False, drop_mult=0.1)
+    small = {**awd_lstm_lm_config, "emb_sz": 16, "n_hid": 32}  # the default 24M parameters: 30 s an epoch here
+    learn = language_model_learner(data_lm, AWD_LSTM, config=small, pretrained=False, drop_mult=0.1)
     learn.fit(1, 1e-2)
     data_clas = TextClasDataBunch.from_df(tmp_path, train, valid, text_cols="text", label_cols="label",
                                           vocab=data_lm.vocab, bs=16, num_workers=0)

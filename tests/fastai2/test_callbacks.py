@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from fastai.callback.core import _inner_loop  # fastai's batch events
 
 WORKERS = Path(__file__).parent / "workers"
 from compare import TOL, close, max_diff
+from conftest import rank_files
 from fit_story import (N_TRAIN, digits_dls, digits_learner, failed_fit, saved_and_exported, state, story, sweep,
                        tabular_digits_learner, tiny_valid)
 
@@ -37,7 +37,7 @@ def ranks(launched):
     """What each of the 2 ranks saw, and the run's folder."""
     out, _, stderr, _ = launched
     assert all((out / f"rank{r}.pt").exists() for r in range(2)), stderr[-5000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+    return rank_files(out), out
 
 
 @pytest.fixture(scope="module")

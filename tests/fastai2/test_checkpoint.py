@@ -24,7 +24,7 @@ import ddipp
 from ddipp.core.group.group import shutdown
 from ddipp.core.rng import seed_all
 
-from conftest import check_restart_said, image_folder, launch_restartable, tiny_cnn
+from conftest import check_restart_said, image_folder, launch_restartable, rank_files, tiny_cnn
 from extras import DieWriting, KillRank1, StopAt, ckpt_learner, launched, resume_story
 from compare import TOL, close, max_diff
 from fit_story import digits_dls, digits_learner, history, params
@@ -183,8 +183,7 @@ def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_sto
     worker = Path(__file__).parent / "workers" / "restart_worker.py"
     said = launch_restartable(worker, tmp_path / "killed", "kill")
     launch_restartable(worker, tmp_path / "whole", "whole")
-    for r in range(2):
-        killed, whole = (torch.load(tmp_path / run / f"rank{r}.pt", weights_only=False) for run in ("killed", "whole"))
+    for killed, whole in zip(rank_files(tmp_path / "killed"), rank_files(tmp_path / "whole")):
         assert (killed["restarts"], whole["restarts"]) == (5, 0)
         assert max_diff(killed["params"], whole["params"]) <= 1e-6
         assert [len(killed["histories"][f]["values"]) for f in (3, 4)] == [1, 3]  # each epoch once
@@ -229,8 +228,7 @@ def test_a_two_node_launch_resumes_from_the_last_whole_checkpoint_when_a_rank_di
     worker = Path(__file__).parent / "workers" / "nodes_worker.py"
     said = launch_restartable(worker, tmp_path / "killed", "kill", nodes=2)
     launch_restartable(worker, tmp_path / "whole", "whole")
-    for r in range(2):
-        killed, whole = (torch.load(tmp_path / run / f"rank{r}.pt", weights_only=False) for run in ("killed", "whole"))
+    for killed, whole in zip(rank_files(tmp_path / "killed"), rank_files(tmp_path / "whole")):
         assert (killed["restarts"], whole["restarts"]) == (1, 0)
         assert max_diff(killed["params"], whole["params"]) <= 1e-6
         assert close(killed["history"], whole["history"], tol=1e-6)

@@ -10,16 +10,17 @@ import torch
 from fastai.basic_train import LearnerCallback
 from fastai.callbacks import CSVLogger
 from fastai.collab import CollabDataBunch, collab_learner
+from fastai.layers import conv_layer, res_block
 from fastai.metrics import Perplexity, accuracy, mean_absolute_error
 from fastai.tabular import Categorify, FillMissing, Normalize, TabularDataBunch, tabular_learner
 from fastai.text import AWD_LSTM, TextClasDataBunch, TextLMDataBunch, Tokenizer, language_model_learner
 from fastai.text import text_classifier_learner
-from fastai.vision import ImageDataBunch, cnn_learner, imagenet_stats, models
+from fastai.vision import ImageDataBunch, cnn_learner, imagenet_stats
+from torch import nn
 
 import ddipp
 from scenario import digits_data, digits_learner, history, params
 
-ARCH = models.resnet18
 TOPICS, WORDS = 4, 24
 AWD = dict(emb_sz=32, n_hid=64, n_layers=2, pad_token=1, qrnn=False, bidir=False, output_p=0.1, hidden_p=0.1,
            input_p=0.1, embed_p=0.02, weight_p=0.1)
@@ -184,11 +185,18 @@ def classifier(path, bs: int) -> dict:
 # --- vision, tabular, collab
 
 
+def small_resnet(pretrained: bool = False) -> nn.Sequential:
+    """A body for cnn_learner of fastai's conv layers (BatchNorm) and residual blocks, 16 to 64 channels: 0.2M
+    parameters, where resnet18's 11.7M took 24 s an epoch of these digits on one CPU process (this: 2 s)."""
+    return nn.Sequential(conv_layer(3, 16, stride=2), res_block(16), conv_layer(16, 32, stride=2), res_block(32),
+                         conv_layer(32, 64, stride=2), res_block(64), nn.AdaptiveAvgPool2d(1))
+
+
 def vision_learner(path, bs: int):
-    """cnn_learner(resnet18, pretrained=False) on the digits image folder at `path`, at 16 px."""
+    """cnn_learner(small_resnet, pretrained=False) on the digits image folder at `path`, at 16 px."""
     data = ImageDataBunch.from_folder(path, size=16, bs=bs, num_workers=0).normalize(imagenet_stats)
     torch.manual_seed(0)
-    return cnn_learner(data, ARCH, pretrained=False, metrics=accuracy)
+    return cnn_learner(data, small_resnet, pretrained=False, metrics=accuracy)
 
 
 def vision(path, bs: int) -> dict:

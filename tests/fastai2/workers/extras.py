@@ -56,11 +56,11 @@ def digits_learner(dls, dropout: float = 0.0, seed: int = 0, **kwargs) -> Learne
 def launched(basetemp: Path):
     """What extras_worker.py saw on each of 2 launched ranks (batch 16 a rank), and its folder; the run is made once
     per test session (pass pytest's basetemp), for every test file that reads it."""
-    from conftest import launch_2_ranks  # tests/conftest.py
+    from conftest import launch_2_ranks, rank_files  # tests/conftest.py
     out = basetemp / "extras"
     out.mkdir()
     launch_2_ranks(Path(__file__).parent / "extras_worker.py", out)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+    return rank_files(out), out
 
 
 # 1. Global-batch losses
