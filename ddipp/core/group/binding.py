@@ -72,12 +72,12 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
                  apply_results: Callable[[List[bytes]], None], kept: Callable[[], Tuple[int, int]],
                  untrained: Callable[[], None] = lambda: None) -> None:
     """Run a bound learner's fit of its data (its attribute `data_attr`) on its group: the `call` made for the tensors
-    the workers hold, its progress shown by `mirror`; then `apply_results` puts rank 0's results on the learner, as a local fit would leave it. A failed fit
-    keeps what was trained up to the failure (`kept()`: its epoch and step, said) or, if nothing was, leaves the learner
-    as it was (`untrained()` then does what a local fit that failed would); an interrupted one raises
-    KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit. A fit whose worker died runs again on
-    a new group, the restart of the last, with the same seed (a Checkpoint in the fit resumes it), up to the binding's
-    `restarts` times."""
+    the workers hold, its progress shown by `mirror`; then `apply_results` puts rank 0's results on the learner, as a
+    local fit would leave it. A failed fit keeps what was trained up to the failure (`kept()`: its epoch and step,
+    said) or, if nothing was, leaves the learner as it was (`untrained()` then does what a local fit that failed
+    would); an interrupted one raises KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit. A fit
+    whose worker died runs again on a new group, the restart of the last, with the same seed (a Checkpoint in the fit
+    resumes it), up to the binding's `restarts` times."""
     group, restarts, lost, data = group_of(learn), 0, 0.0, None
     generator = torch.get_rng_state()  # what the call draws its seed from: a restart draws the same
     while True:
