@@ -27,12 +27,10 @@ test: $(VENV)/.installed
 		$(PY) -m pytest tests --ignore=tests/fastai2 --ignore=tests/core; s2=$$?; \
 		$(PY2) -m pytest tests/fastai2 tests/core; s3=$$?; [ $$s1 -eq 0 ] && [ $$s2 -eq 0 ] && exit $$s3
 
-# --no-compile: pip byte-compiles every module it installs (14,500 files, 73 s of a core for .venv); Python compiles
-# the ones a process imports, once, as it imports them
 $(VENV)/.installed: pyproject.toml constraints/fastai1.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade 'pip>=23'
-	$(PY) -m pip install --quiet --no-compile -c constraints/fastai1.txt -e '.[fastai1,test]'
+	$(PY) -m pip install --quiet -c constraints/fastai1.txt -e '.[fastai1,test]'
 	touch $@
 
 # .venv2 hard-links the distributions .venv holds at its pins (tools/link_venv.py: torch and its CUDA libraries, 6 GB,
@@ -41,7 +39,7 @@ $(VENV2)/.installed: pyproject.toml constraints/fastai2.txt | $(VENV)/.installed
 	$(PYTHON) -m venv $(VENV2)
 	$(PYTHON) tools/link_venv.py $(VENV) $(VENV2) constraints/fastai2.txt
 	$(PY2) -m pip install --quiet --upgrade 'pip>=23'
-	$(PY2) -m pip install --quiet --no-compile -c constraints/fastai2.txt -e '.[fastai2,test]'
+	$(PY2) -m pip install --quiet -c constraints/fastai2.txt -e '.[fastai2,test]'
 	touch $@
 
 # the GPU paths on a host with one GPU (cuda:0 only): one PASS/FAIL/SKIP line per check, SKIP without CUDA; fails if
