@@ -5,11 +5,13 @@ progress bars) travel as references to the receiver's own; CUDA tensors travel t
 the receiver's device, so no process ever touches another's GPU; parameters travel with their gradients; CPU
 tensors travel as numpy arrays whose bytes go out of band (no copy into the pickle, and equal data pickles to
 equal bytes); a tensor the receiving workers already hold from their last fit travels as its digest (`HeldTensors`);
-the weak references fastai's callbacks keep to their learner survive the trip; a closed file travels as None.
+the weak references fastai's callbacks keep to their learner survive the trip; a closed file travels as None; a class
+an adapter names `importable_from` a module travels as a reference to it.
 What goes to every worker (a fit, its data) is written once to a shared-memory file that each maps (`broadcast`).
 """
 import copyreg
 import hashlib
+import importlib
 import io
 import mmap
 import os
@@ -35,6 +37,7 @@ _receiver_device = torch.device("cpu")  # where CUDA tensors land while `loads` 
 _receiver_held: Optional["HeldTensors"] = None  # the tensors a `loads` may take by digest
 _SHARED = "shared"  # a message whose body is in the shared-memory file whose descriptor follows it
 _ALIGN = 64  # where each part of a shared message may start: numpy's arrays on it are aligned for any dtype
+_IMPORTABLE: Dict[type, Tuple[str, str]] = {}  # class -> (module, name) where the receiver imports it
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex64, torch.complex128, torch.int64,
                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
 
@@ -170,6 +173,17 @@ def _set_attributes(obj: Any, state: dict) -> None:
     object.__getattribute__(obj, "__dict__").update(state)
 
 
+def importable_from(module: str, classes: Iterable[type]) -> None:
+    """Send each of `classes` as a reference to its name in `module`, whatever its __module__ says. cloudpickle sends a
+    class its __module__ does not hold by value, and the class rebuilt from it is another: fastai v2 makes its
+    CancelFitException & co. in fastcore.basics's name, so a worker's `except CancelFitException` missed them."""
+    _IMPORTABLE.update({cls: (module, cls.__name__) for cls in classes})
+
+
+def _imported(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle with references for shared objects, CUDA tensors through the CPU, and picklable weakrefs."""
 
@@ -208,6 +222,8 @@ class _Pickler(cloudpickle.Pickler):
             return _weakref_to, (obj(),)
         if isinstance(obj, io.IOBase) and obj.closed:  # holds nothing to send (CSVLogger's file after a fit)
             return _nothing, ()
+        if isinstance(obj, type) and obj in _IMPORTABLE:
+            return _imported, _IMPORTABLE[obj]
         if obj is self.learner:
             return copyreg.__newobj__, (type(obj),), travelling_state(obj)
         if isinstance(obj, types.FunctionType):

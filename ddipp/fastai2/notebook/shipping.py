@@ -1,11 +1,19 @@
 """What of a fastai v2 learner both the notebook and its workers hold, so that it travels as references
-(ddipp.core.group.wire)."""
+(ddipp.core.group.wire), and fastai's control-flow exceptions, sent as references to where they are importable."""
 from typing import Any, Dict, Hashable, List
 
+import fastai.callback.core
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastcore.foundation import L
+
+from ...core.group.wire import importable_from
+
+# made by fastcore's mk_class in fastcore.basics's name: sent by value, a worker's `except CancelFitException` missed them
+importable_from("fastai.callback.core", [getattr(fastai.callback.core, name) for name in (
+    "CancelBatchException", "CancelBackwardException", "CancelStepException", "CancelTrainException",
+    "CancelValidException", "CancelEpochException", "CancelFitException")])
 
 
 def data_objects(dls: DataLoaders) -> Dict[Hashable, Any]:

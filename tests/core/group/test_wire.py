@@ -5,11 +5,14 @@ import socket
 import threading
 import typing
 from multiprocessing.connection import Connection
+import weakref
 from pathlib import Path
 
+import cloudpickle
+import pytest
 import torch
 
-from ddipp.core.group.wire import broadcast, dumps, loads, receive, unpicklable_path
+from ddipp.core.group.wire import broadcast, dumps, importable_from, loads, receive, unpicklable_path
 
 
 class Node:
@@ -53,3 +56,26 @@ def test_a_broadcast_is_written_once_and_each_receiver_maps_it_copy_on_write():
     assert xs[0].data_ptr() == ctypes.addressof(ctypes.c_char.from_buffer(received[0][3][0]))  # not copied
     xs[0][0] = -1  # writable, and the write is the receiver's own
     assert xs[1][0] == 0 and xs[2][0] == 0 and data[0] == 0
+
+
+class Moved(Exception):
+    """Stands for fastai v2's CancelFitException: made where its __module__ does not hold it (fastcore's mk_class)."""
+
+
+Moved.__module__ = "fastcore.basics"
+
+
+def test_a_class_named_importable_travels_by_reference_so_except_still_catches_it(monkeypatch):
+    """cloudpickle sends a class its __module__ does not hold by value: the copy a worker rebuilt was not the class
+    fastai's `except CancelFitException` catches. The class a callback raises travels with the callback's code."""
+    def stop():
+        raise Moved()
+
+    importable_from(__name__, [Moved])
+    blobs = dumps(stop), dumps(Moved)
+    # received as in a worker's process, where cloudpickle has not seen the class (in this one it would reuse it)
+    monkeypatch.setattr(cloudpickle.cloudpickle, "_DYNAMIC_CLASS_TRACKER_BY_ID", weakref.WeakValueDictionary())
+    stop, moved = map(loads, blobs)
+    assert moved is Moved
+    with pytest.raises(Moved):
+        stop()

@@ -10,7 +10,8 @@ from pathlib import Path
 import fastai.callback.progress
 import pytest
 import torch
-from fastai.callback.core import Callback
+from fastai.callback.core import (Callback, CancelBackwardException, CancelBatchException, CancelEpochException,
+                                 CancelFitException, CancelStepException, CancelTrainException, CancelValidException)
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.mixup import CutMix, MixUp
 from fastai.callback.progress import CSVLogger, ShowGraphCallback
@@ -337,3 +338,43 @@ def test_mixed_precision_on_a_gpu_trains_as_a_local_fp16_fit(tmp_path):
         assert_same_fit(notebook, local, tol=1e-3)  # the same kernels on the same GPU; fp16 rounding alike
     finally:
         notebook.from_ddp()
+
+
+def test_fastais_control_flow_exceptions_raised_by_a_notebooks_callback_work_as_in_one_process(tmp_path):
+    """A callback defined in the notebook (here: in the test, so sent by value) raises each of fastai's control-flow
+    exceptions once; fastai made them in fastcore.basics's name, and the workers' copies were not fastai's classes:
+    `IndexError: tuple index out of range` where one process skips the batch, the step, the epoch..."""
+    class Cancels(Callback):
+        def before_fit(self):
+            self.seen = []
+
+        def at(self, epoch, step, exception, training=True):
+            if self.training == training and (self.epoch, self.iter) == (epoch, step):
+                raise exception()
+
+        def before_batch(self):
+            self.at(0, 1, CancelBatchException)
+
+        def before_backward(self):
+            self.at(0, 2, CancelBackwardException)
+
+        def before_step(self):
+            self.at(0, 3, CancelStepException)
+
+        def after_batch(self):
+            self.at(0, 5, CancelTrainException)
+            self.at(0, 0, CancelValidException, training=False)
+            self.at(1, 2, CancelEpochException)
+            self.at(2, 1, CancelFitException)
+
+    for event in ("batch", "backward", "step", "train", "validate", "epoch", "fit"):
+        setattr(Cancels, f"after_cancel_{event}", lambda self, event=event: self.seen.append((event, self.epoch,
+                                                                                            self.iter)))
+    local, notebook = learners(tmp_path)
+    here, there = Cancels(), Cancels()
+    local.fit(3, 1e-2, cbs=here)
+    notebook.fit(3, 1e-2, cbs=there)
+    assert here.seen == [("batch", 0, 1), ("backward", 0, 2), ("step", 0, 3), ("train", 0, 5), ("validate", 0, 0),
+                         ("epoch", 1, 2), ("fit", 2, 1)]
+    assert there.seen == here.seen
+    assert_same_fit(notebook, local)
