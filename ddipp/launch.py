@@ -34,8 +34,8 @@ and join the collectives, without authentication, so run such jobs only on a tru
 
 Only rank 0 prints to the terminal; the other ranks write to per-rank log files whose paths are printed
 when the group starts. When a rank fails, the launcher shows the end of its log (its traceback), then a line for each
-rank stopped with it, stops the other ranks and exits with status 1, keeping the logs; when every rank exits 0 the logs
-are removed.
+rank stopped with it, stops the other ranks and exits with the status the failed ranks exited with (a scheduler's
+requeue code) when they agree, else 1, keeping the logs; when every rank exits 0 the logs are removed.
 """
 import argparse
 import os
@@ -202,8 +202,8 @@ def store_socket(config: Config) -> socket.socket | None:
 
 def run(config: Config, listener: socket.socket | None) -> int:
     """Start the group `config` describes and wait for it; the exit status: 0 when every rank exited 0 (their logs are
-    then removed), 1 when a rank failed (logs kept, the failed ranks' shown), 128+N on signal N. `listener`: see
-    store_socket."""
+    then removed), when ranks failed (logs kept, the failed ranks' shown) the status each exited with if they agree,
+    else 1, 128+N on signal N. `listener`: see store_socket."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -218,8 +218,7 @@ def run(config: Config, listener: socket.socket | None) -> int:
     try:
         elastic_launch(launch_config, sys.executable)("-u", config.script, *config.script_args)
     except ChildFailedError as e:
-        _report({**_ended_while_exiting(logs.error_files, e.failures), **e.failures}, logs.stderrs)
-        return 1
+        return _report({**_ended_while_exiting(logs.error_files, e.failures), **e.failures}, logs.stderrs)
     except SignalException as e:
         return 128 + e.sigval
     shutil.rmtree(logs.root_log_dir)
@@ -288,12 +287,25 @@ def _rank_logs(config: Config):
 OWN_ERROR, SIGNALLED, STOPPED_BY_PEER = range(3)  # the order _report says failed ranks in
 
 
-def _report(failures: dict, stderrs: dict[int, str]) -> None:
+def _report(failures: dict, stderrs: dict[int, str]) -> int:
     """Say which ranks failed: first each one's own error, with the end of its log (elastic's "first failure" is only to
-    the second), then in one line each rank stopped by a signal, then each rank stopped by another's failure."""
-    said = [_said(rank, failure, stderrs.get(failure.local_rank)) for rank, failure in sorted(failures.items())]
-    for _, lines in sorted(said, key=lambda order_lines: order_lines[0]):
+    the second), then in one line each rank stopped by a signal, then each rank stopped by another's failure. Returns
+    the launcher's exit status: the one every rank that failed on its own exited with, when they agree, else 1."""
+    said = [(*_said(rank, failure, stderrs.get(failure.local_rank)), failure)
+            for rank, failure in sorted(failures.items())]
+    for _, lines, _ in sorted(said, key=lambda entry: entry[0]):
         print(*lines, sep="\n", file=sys.stderr)
+    statuses = {_own_status(order, failure) for order, _, failure in said} - {None}
+    return statuses.pop() if len(statuses) == 1 else 1
+
+
+def _own_status(order: int, failure) -> int | None:
+    """The exit status a failed rank (elastic's ProcessFailure, said in `order`) ended with of its own; None for one
+    stopped by another's failure (ddipp's peer failure, the launcher's SIGTERM); 1 for one killed by another signal or
+    stopped while it exited after raising (Python's status for an error)."""
+    if order == STOPPED_BY_PEER or (order == SIGNALLED and failure.exitcode == -signal.SIGTERM):
+        return None
+    return failure.exitcode if failure.exitcode > 0 else 1
 
 
 def _ended_while_exiting(error_files: dict[int, tuple[int, str]], failures: dict) -> dict:
@@ -332,7 +344,7 @@ def _said(rank: int, failure, log: str | None) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the command line, start the group, exit 1 (showing the failed ranks' logs) if a rank fails."""
+    """Parse the command line, start the group, exit as run() says (showing the failed ranks' logs if a rank fails)."""
     try:
         config = config_from_args(parse(argv))
         listener = store_socket(config)

@@ -4,6 +4,7 @@ import ipaddress
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,8 +19,8 @@ from ddipp.core.dist import parse_gpus
 from ddipp.launch import PROG, Config, _report, config_from_args, parse, store_socket
 
 WORKERS = Path(__file__).parent / "workers"
-ECHO, FAIL, RESTART, PEER_FAIL = (WORKERS / name for name in ("launch_echo.py", "launch_fail.py", "launch_restart.py",
-                                                                "launch_peer_fail.py"))
+ECHO, FAIL, RESTART, PEER_FAIL, EXIT = (WORKERS / name for name in (
+    "launch_echo.py", "launch_fail.py", "launch_restart.py", "launch_peer_fail.py", "launch_exit.py"))
 # fastai's import warns about pkg_resources in every launcher; pytest.ini ignores it the same way
 ENV = dict(os.environ, PYTHONWARNINGS="ignore:pkg_resources is deprecated:UserWarning")
 ENV.pop("OMP_NUM_THREADS", None)  # the launcher must set it itself
@@ -332,6 +333,40 @@ def test_a_rank_that_raised_and_was_still_exiting_when_the_rank_it_stopped_ended
                                             "on purpose)"), stderr
     assert lines[said[0]].startswith(f"{PROG}: rank 1 raised and was stopped (SIGTERM) while it exited; end of"), stderr
     assert lines.index("[rank1]: ValueError: rank 1 fails on purpose") < said[-1]
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_with_a_status_makes_the_launcher_exit_with_it(tmp_path):
+    rc, _, stderr = finish(launch("--nproc", 2, EXIT, 3, tmp=tmp_path))
+    assert rc == 3, stderr[-3000:]  # rank 0, stopped by the launcher (SIGTERM), does not count
+    assert "rank 1 failed (exit code 3)" in stderr
+
+
+def _failure(tmp: Path, rank: int, exitcode: int, how: str = ""):
+    """Elastic's record of a failed rank: exited `exitcode` (< 0: stopped by that signal), having raised (`how`
+    "raised": its log ends with a traceback) or been stopped by a peer's failure ("peer": ddipp's error file)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    file = tmp / f"error{rank}.json"
+    if how == "peer":
+        file.write_text(json.dumps({"ddipp_peer_failure": True, "message": {
+            "message": f"rank {rank} stopped because another rank failed", "extraInfo": {"timestamp": "0"}}}))
+    (tmp / f"log{rank}").write_text("[rank{rank}]: Traceback (most recent call last):\n" if how == "raised" else "")
+    return ProcessFailure(rank, 10 + rank, exitcode, str(file))
+
+
+@pytest.mark.parametrize("ended, status", [
+    ([(3,), (-signal.SIGTERM,)], 3),  # rank 1 stopped by the launcher
+    ([(3,), (3,)], 3),
+    ([(1, "peer"), (3,)], 3),  # rank 0 stopped by rank 1's failure (ddipp's peer failure)
+    ([(3,), (4,)], 1),
+    ([(3,), (-signal.SIGKILL,)], 1),
+    ([(3,), (-signal.SIGTERM, "raised")], 1),  # rank 1 raised (Python's 1) and was stopped while it exited
+    ([(-signal.SIGTERM,), (-signal.SIGTERM,)], 1),
+], ids=str)
+def test_the_launcher_exits_with_the_status_every_rank_that_failed_on_its_own_exited_with(tmp_path, capsys, ended,
+                                                                                         status):
+    failures = {rank: _failure(tmp_path, rank, *end) for rank, end in enumerate(ended)}
+    assert _report(failures, {rank: str(tmp_path / f"log{rank}") for rank in failures}) == status
 
 
 def test_a_restarted_group_forms_and_one_that_cannot_fails_within_the_timeout_naming_the_absent_rank(tmp_path):
