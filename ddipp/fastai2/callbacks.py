@@ -20,6 +20,7 @@ from fastai.callback.training import GradientAccumulation
 from fastai.data.load import DataLoader
 from fastai.learner import AvgSmoothLoss
 from fastai.torch_core import to_detach
+from torch.utils.data import DataLoader as TorchDataLoader
 
 from ..core import dist as ddist
 from ..core.sharding import shared_seed, unshard
@@ -29,7 +30,7 @@ from ..core.fit import LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
 from ..core.syncbn import has_batchnorm
 from ..core.state import load_model_state, model_state
-from .loaders import ShardedEvalDL, ShardedTrainDL, SplitTrainDL, WholeEvalDL, splittable
+from .loaders import ShardedEvalDL, ShardedTrainDL, SplitTrainDL, WholeEvalDL, fastai_loader, splittable
 from .state import load_opt_state_dict, opt_state_dict
 
 
@@ -121,12 +122,9 @@ class DistributedCallback(Callback):
             return
         learn, rank, world_size = self.learn, dist.get_rank(), dist.get_world_size()
         self.joined, self.rank, self.world_size = True, rank, world_size
-        train = learn.dls.train
+        train = fastai_loader(learn.dls.train)
         if not isinstance(train, DataLoader) or train.bs is None or not train.indexed:
-            kind = f"{type(train).__module__}.{type(train).__name__}"
-            raise TypeError(f"ddipp shards a fastai DataLoader of indexed items in batches of bs, and the training "
-                            f"loader is a {kind} (bs={getattr(train, 'bs', None)}): build the DataLoaders with "
-                            f"fastai's DataLoader (fastai.data.load.DataLoader) or its DataBlock API")
+            raise TypeError(_not_shardable(learn.dls.train))
         if self.split_batches:
             shard = SplitTrainDL(train, rank, world_size, shared_seed())
             check_split(train.bs, world_size, shard.parts.smallest_part(), has_batchnorm(learn.model), self.sync_bn)
@@ -140,7 +138,7 @@ class DistributedCallback(Callback):
         model = learn.model
         self.undo.callback(setattr, learn, "model", model)
         learn.model = wrap(model, self.undo, self.sync_bn, self.find_unused_parameters)
-        self.undo.callback(_set_train, learn.dls, train)
+        self.undo.callback(_set_train, learn.dls, learn.dls.train)
         learn.dls.train, self.shard = shard, shard
         self._accumulate_global_samples()
         self._smooth_global_loss()
@@ -242,9 +240,9 @@ class DistributedCallback(Callback):
         self.take_step_loss()  # a batch without targets skips the step
 
     def before_validate(self) -> None:
-        learn = self.learn
-        if self.running and splittable(learn.dl):
-            learn.dl = self.parts = ShardedEvalDL(learn.dl, self.rank, self.world_size)
+        learn, dl = self.learn, fastai_loader(self.learn.dl)
+        if self.running and splittable(dl):
+            learn.dl = self.parts = ShardedEvalDL(dl, self.rank, self.world_size)
         else:
             self.parts = None
             learn.dl = WholeEvalDL(learn.dl)
@@ -315,6 +313,19 @@ class _FitGuard:
 
 def _set_train(dls, loader) -> None:
     dls.train = loader
+
+
+def _not_shardable(loader) -> str:
+    """Why the training loader `loader` cannot be sharded, and what to build instead."""
+    kind = f"{type(loader).__module__}.{type(loader).__name__}"
+    if isinstance(loader, TorchDataLoader):
+        return (f"ddipp shards a PyTorch DataLoader's sampler in batches of batch_size, and the training loader is a "
+                f"{kind} of a {type(loader.dataset).__name__} with batch_size={loader.batch_size}: give it a "
+                f"map-style dataset (one with __getitem__ and __len__) and batch_size, with a sampler= or shuffle= "
+                f"in place of a batch_sampler=")
+    return (f"ddipp shards a fastai DataLoader of indexed items in batches of bs, or a PyTorch DataLoader, and the "
+            f"training loader is a {kind} (bs={getattr(loader, 'bs', None)}): build the DataLoaders with fastai's "
+            f"DataLoader (fastai.data.load.DataLoader), its DataBlock API or PyTorch's DataLoader")
 
 
 def _no_batch(loader: DataLoader, world_size: int) -> str:

@@ -16,6 +16,7 @@ from ..core.ddp import check_matches_launch, check_options, notebook_devices
 from ..core.files import replacing, writing_as_rank_0
 from ..core.group.wire import BINDING_ATTRS
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
+from .loaders import batch_size
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
@@ -46,7 +47,7 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
                        split_batches=split_batches)
         bind(self, devices, timeout, options, fit_on_group, fitting=fitting.__name__, restarts=restarts)
         self.save, self.export = AtomicSave(self), AtomicExport(self)  # the exported learner is not bound
-        self.ddp.say_global_batch(self.dls.train.bs)
+        self.ddp.say_global_batch(batch_size(self.dls.train))
         return self
     check_matches_launch(gpus, nprocs, restarts)
     ddist.init()

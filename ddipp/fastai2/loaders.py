@@ -2,11 +2,13 @@
 
 Built on ddipp.core.sharding: ShardedSampler shards the order `get_idxs()` gives, ShardedEvalBatchSampler splits the
 batches of a validation loader; these classes only read fastai's DataLoader through its own methods (`get_idxs`,
-`do_item`, `do_batch`, `after_batch`, ...), so a loader's transforms, collation and order are its own.
+`do_item`, `do_batch`, `after_batch`, ...), so a loader's transforms, collation and order are its own. A PyTorch
+DataLoader is read through them as a fastai DataLoader of its sampler's order and its collate_fn (`TorchDL`).
 """
 import random
-from typing import Optional
+from typing import Optional, Union
 
+import torch
 from fastai.data.load import DataLoader
 from fastcore.basics import defaults
 from fastai.text.data import LMDataLoader, SortedDL
@@ -15,6 +17,48 @@ from fastai.torch_core import apply, to_detach
 from ..core.dist import loader_workers
 from ..core.sharding import (LoaderView, ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler,
                               global_batches)
+
+
+class TorchDL(DataLoader):
+    """The PyTorch DataLoader `dl` as a fastai DataLoader of the same batches: its sampler's order (`get_idxs`), its
+    dataset's items and its `collate_fn` in batches of its `batch_size` (its `drop_last`), on as many worker processes;
+    its batches stay where `collate_fn` leaves them (the learner moves them to the model, as fastai does `dl`'s)."""
+
+    def __init__(self, dl: torch.utils.data.DataLoader):
+        self.torch_dl = dl
+        super().__init__(dl.dataset, bs=dl.batch_size, drop_last=dl.drop_last, n=len(dl.sampler),
+                         num_workers=dl.num_workers, pin_memory=dl.pin_memory, timeout=dl.timeout,
+                         persistent_workers=dl.persistent_workers, pin_memory_device=dl.pin_memory_device)
+
+    def get_idxs(self):
+        """The sampler's order; a sampler with a generator of its own (`shuffle` with `generator=`) draws as one
+        without: from torch's global generator, which ddipp seeds alike on every rank while it draws an order."""
+        sampler = self.torch_dl.sampler
+        own = getattr(sampler, "generator", None)
+        if own is None:
+            return list(sampler)
+        sampler.generator = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64).random_()))
+        try:
+            return list(sampler)
+        finally:
+            sampler.generator = own
+
+    def do_batch(self, b):
+        return self.torch_dl.collate_fn(b)
+
+
+def fastai_loader(dl):
+    """`dl`, or a PyTorch DataLoader of a map-style dataset in batches of `batch_size` as the fastai DataLoader of the
+    same batches (`TorchDL`); any other loader as it is."""
+    if (isinstance(dl, torch.utils.data.DataLoader) and dl.batch_size is not None
+            and not isinstance(dl.dataset, torch.utils.data.IterableDataset)):
+        return TorchDL(dl)
+    return dl
+
+
+def batch_size(dl: Union[DataLoader, torch.utils.data.DataLoader]) -> Optional[int]:
+    """A fastai loader's `bs` or a PyTorch loader's `batch_size` (None for one with a batch_sampler of its own)."""
+    return dl.batch_size if isinstance(dl, torch.utils.data.DataLoader) else dl.bs
 
 
 class LoaderOrder:

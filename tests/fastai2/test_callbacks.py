@@ -1,7 +1,8 @@
 """DistributedCallback, LRFinderBypassCallback, GCCallback on fastai v2: a real 2-rank gloo run against one process.
 
-One launched run (workers/fit_worker.py, the `ranks` fixture) plays workers/fit_story.py with batch 16 a rank; the
-`reference` plays it here in one process with batch 32, the global batch."""
+One launched run (workers/fit_worker.py, the `ranks` fixture) plays workers/fit_story.py with batch 16 a rank (and
+workers/torch_loaders.py's story of PyTorch DataLoaders); the `reference` plays it here in one process with batch 32,
+the global batch."""
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from compare import TOL, close, max_diff
 from conftest import rank_files
 from fit_story import (N_TRAIN, digits_dls, digits_learner, failed_fit, saved_and_exported, state, story, sweep,
                        tabular_digits_learner, tiny_valid)
+from torch_loaders import check_torch_orders, check_torch_story
 
 from ddipp import Checkpoint, GCCallback, LRFinderBypassCallback
 
@@ -147,15 +149,24 @@ def test_a_fit_that_raises_puts_back_the_plain_model_and_loaders_and_the_next_fi
 
 
 @pytest.mark.slow
-def test_a_per_process_batch_larger_than_a_ranks_share_or_a_torch_loader_is_refused_naming_the_fix(ranks):
+def test_a_per_process_batch_larger_than_a_ranks_share_or_a_torch_batch_sampler_is_refused_naming_the_fix(ranks):
     (r0, r1), _ = ranks
     for rank in (r0, r1):
         assert rank["too_large_bs"].startswith("ValueError")
         assert ("the per-process batch size bs=16 is larger than a rank's share of the training set (20 items / 2 "
                 "ranks = 10) and drop_last leaves no batch: use bs <= 10") in rank["too_large_bs"]
-        assert rank["torch_loader"].startswith("TypeError")
-        assert ("the training loader is a torch.utils.data.dataloader.DataLoader (bs=None): build the DataLoaders "
-                "with fastai's DataLoader") in rank["torch_loader"]
+        assert rank["torch_batches"].startswith("TypeError")
+        assert ("the training loader is a torch.utils.data.dataloader.DataLoader of a TensorDataset with "
+                "batch_size=None: give it a map-style dataset (one with __getitem__ and __len__) and batch_size, with "
+                "a sampler= or shuffle= in place of a batch_sampler=") in rank["torch_batches"]
+
+
+@pytest.mark.slow
+def test_a_learner_on_pytorch_loaders_trains_on_launched_ranks_as_one_process(ranks):
+    (r0, r1), _ = ranks
+    for rank in (r0, r1):
+        check_torch_story(rank["torch_loaders"], 2)
+    check_torch_orders([r0["torch_loaders"]["orders"], r1["torch_loaders"]["orders"]], 2)
 
 
 @pytest.mark.slow

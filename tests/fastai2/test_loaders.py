@@ -1,4 +1,6 @@
-"""The sharding invariants of ddipp.fastai2.loaders, checked by building every rank's loader in one process."""
+"""The sharding invariants of ddipp.fastai2.loaders, checked by building every rank's loader in one process (fastai's
+loaders and PyTorch's); then a Learner on PyTorch DataLoaders trained on a notebook's 3 processes against one process
+(on 2 launched ranks: test_callbacks.py's launched run)."""
 import random
 
 import numpy as np
@@ -6,8 +8,10 @@ import pytest
 import torch
 from fastai.data.load import DataLoader
 from fastai.text.data import LMDataLoader, SortedDL
+from torch.utils.data import DataLoader as TorchDataLoader
 
-from ddipp.fastai2.loaders import ShardedEvalDL, ShardedTrainDL
+from ddipp.fastai2.loaders import ShardedEvalDL, ShardedTrainDL, TorchDL, batch_size, fastai_loader, splittable
+from torch_loaders import check_torch_orders, check_torch_story, torch_story
 
 
 def _shards(dl, world_size, seed=7, epoch=0):
@@ -171,3 +175,82 @@ def test_eval_parts_follow_the_loaders_own_order():
     assert [b.tolist() for b in _batches(shards[0])] == [[1, 3], [4, 6], [2]]
     assert [b.tolist() for b in _batches(shards[1])] == [[5], [0], [2]]
     assert shards[1].sizes(2) == [1, 0]
+
+
+class EveryThird(torch.utils.data.Sampler):
+    """A sampler with an order of its own: 0, 3, 6, ..., then 1, 4, ..., then 2, 5, ..."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return (i for start in range(3) for i in range(start, self.n, 3))
+
+    def __len__(self):
+        return self.n
+
+
+def _torch_shards(dl, world_size, epoch=0):
+    return _shards(TorchDL(dl), world_size, epoch=epoch)
+
+
+def test_a_pytorch_loader_is_sharded_every_nth_position_of_its_samplers_order_through_its_collate_fn():
+    dl = TorchDataLoader(list(range(20)), batch_size=3, sampler=EveryThird(20), drop_last=True,
+                         collate_fn=lambda items: torch.tensor(items) * 10)
+    order = list(EveryThird(20))
+    for r, shard in enumerate(_torch_shards(dl, 2)):
+        assert shard.get_idxs() == order[r::2]
+        assert [b.tolist() for b in shard] == [[10 * i for i in order[r::2][k:k + 3]] for k in (0, 3, 6)]
+
+
+@pytest.mark.parametrize("generator", [None, "per rank"])
+def test_a_shuffled_pytorch_loader_is_shuffled_alike_on_every_rank_and_anew_each_epoch(generator):
+    def orders(epoch):
+        shards = []
+        for r in range(2):  # each rank's loader with a generator of its own, seeded differently, if any
+            own = None if generator is None else torch.Generator().manual_seed(r)
+            dl = TorchDataLoader(list(range(101)), batch_size=5, shuffle=True, drop_last=True, generator=own)
+            shards.append(_torch_shards(dl, 2, epoch)[r].get_idxs())
+            if own is not None:  # the user's generator is left as it was
+                assert torch.equal(own.get_state(), torch.Generator().manual_seed(r).get_state())
+        return shards
+    epoch0, again, epoch1 = orders(0), orders(0), orders(1)
+    assert epoch0 == again and epoch0 != epoch1 and epoch0[0] != list(range(0, 100, 2))
+    for shards in (epoch0, epoch1):
+        assert not set(shards[0]) & set(shards[1]) and len(set(shards[0]) | set(shards[1])) == 100
+
+
+def test_eval_parts_of_a_pytorch_loader_rebuild_its_batches():
+    dl = TorchDataLoader(list(range(100, 109)), batch_size=4, sampler=EveryThird(9),
+                         collate_fn=lambda items: torch.tensor(items) + 0.5)
+    single = list(dl)
+    shards = [ShardedEvalDL(TorchDL(dl), r, 3) for r in range(3)]
+    parts = [list(s) for s in shards]
+    assert [len(p) for p in parts] == [3, 3, 3] and splittable(TorchDL(dl))
+    for k, batch in enumerate(single):
+        sizes = shards[0].sizes(k)
+        whole = torch.empty_like(batch)
+        for r in range(3):
+            whole[r::3] = parts[r][k][:sizes[r]]
+        assert torch.equal(whole, batch)
+    assert shards[1].sizes(2) == [1, 0, 0] and parts[1][2].tolist() == single[2].tolist()  # a placeholder
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(9))
+
+
+def test_a_pytorch_loader_that_cannot_be_sharded_stays_as_it_is():
+    batches = TorchDataLoader(list(range(9)), batch_sampler=[[0, 1], [2, 3, 4]])
+    stream = TorchDataLoader(Stream(), batch_size=2)
+    assert fastai_loader(batches) is batches and fastai_loader(stream) is stream
+    assert batch_size(batches) is None and batch_size(TorchDataLoader(list(range(9)), batch_size=4)) == 4
+
+
+@pytest.mark.slow
+def test_a_learner_on_pytorch_loaders_trains_in_a_notebook_as_one_process(capsys):
+    run = torch_story(lambda learn, split: learn.to_ddp(nprocs=3, split_batches=split), 3)
+    check_torch_story(run, 3)
+    check_torch_orders([run["orders"]], 3)  # rank 0's, which come back
+    assert "ddipp: global batch 48 = 16 per process x 3" in capsys.readouterr().out

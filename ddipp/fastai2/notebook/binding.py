@@ -5,6 +5,7 @@ from typing import Any
 from fastai.learner import Learner
 
 from ...core.group import binding
+from ..loaders import batch_size
 from .fitting import apply_results, fit_call
 from .progress import ProgressMirror
 from .shipping import fit_callbacks
@@ -13,7 +14,7 @@ from .shipping import fit_callbacks
 def fit_on_group(learn: Learner, n_epoch: int, lr: Any = None, wd: Any = None, cbs: Any = None,
                  reset_opt: bool = False, start_epoch: int = 0) -> None:
     """`Learner.fit` on the worker group: same arguments, and afterwards the learner a local fit would leave."""
-    learn.ddp.say_global_batch(learn.dls.train.bs)  # again if new learn.dls changed the batch size
+    learn.ddp.say_global_batch(batch_size(learn.dls.train))  # again if new learn.dls changed the batch size
     callbacks, mirror = fit_callbacks(learn, cbs), ProgressMirror()  # listed before the call: both sides list the same
     binding.fit_on_group(
         learn, "dls", lambda held: fit_call(learn, held, n_epoch, lr, wd, cbs, reset_opt, start_epoch), mirror,

@@ -35,8 +35,12 @@ def fit_call(learn: Learner, held: AbstractSet[str], n_epoch: int, lr: Any, wd: 
 
 
 def place_data(dls: DataLoaders, device: torch.device) -> DataLoaders:
-    """Make `dls` deliver its batches on `device` (the notebook's may be another GPU, or none)."""
-    dls.device = device
+    """Make `dls` deliver its batches on `device` (the notebook's may be another GPU, or none): fastai's loaders move
+    them there, the learner a PyTorch loader's (`dls.device` says where)."""
+    for dl in dls.loaders:
+        if hasattr(dl, "to"):
+            dl.to(device)
+    dls._device = device
     return dls
 
 
@@ -125,7 +129,7 @@ def _picklable(state: dict, objects: dict, what: str, error: Exception, notes: l
 def apply_results(learn: Learner, parts: List[bytes], bar: Any, callbacks: list) -> None:
     """The notebook's half again: leave `learn` and the fit's `callbacks` as the fit on rank 0 left its copies."""
     objects = {**learner_objects(learn, callbacks), "bar": bar}
-    device = learn.dls.device or torch.device("cpu")
+    device = getattr(learn.dls, "device", None) or torch.device("cpu")  # PyTorch loaders leave it unset
     got = loads(parts[0], objects, device)
     load_model_state(learn.model, got["model"])
     for param, grad in zip(learn.model.parameters(), got["grads"]):

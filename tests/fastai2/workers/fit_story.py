@@ -239,11 +239,13 @@ def refused(make) -> str:
     return "no error"
 
 
-def torch_loaders_learner(path) -> Learner:
-    """A learner whose loaders are PyTorch's own DataLoaders (fastai v2 trains with them in one process)."""
+def torch_batches_learner(path) -> Learner:
+    """A learner whose training loader is a PyTorch DataLoader of a batch_sampler of its own (fastai v2 trains with it
+    in one process; ddipp shards a sampler in batches of batch_size)."""
     x, y = _digits()
     ds = TensorDataset(x[101:200], y[101:200])
-    return digits_learner(DataLoaders(TorchDataLoader(ds, 16), TorchDataLoader(ds, 16)), path)
+    batches = [list(range(i, i + 16)) for i in range(0, 96, 16)]
+    return digits_learner(DataLoaders(TorchDataLoader(ds, batch_sampler=batches), TorchDataLoader(ds, 16)), path)
 
 
 def tiny_valid(learn) -> list:

@@ -1,7 +1,7 @@
-"""Launched on 2 ranks by tests/fastai2/test_callbacks.py: plays fit_story.py with batch 16 a rank under ddipp and
-saves what each rank saw in OUT/rank{r}.pt (its stdout goes to OUT/stdout{r}.txt); then rank 1 raises in the middle
-of a fit whose after_fit would load a file behind fastai's barrier, and writes OUT/raised (the time it raised): the
-launched run must end with that error, long before the collective timeout."""
+"""Launched on 2 ranks by tests/fastai2/test_callbacks.py: plays fit_story.py with batch 16 a rank under ddipp (and
+torch_loaders.py's story) and saves what each rank saw in OUT/rank{r}.pt (its stdout goes to OUT/stdout{r}.txt); then
+rank 1 raises in the middle of a fit whose after_fit would load a file behind fastai's barrier, and writes OUT/raised
+(the time it raised): the launched run must end with that error, long before the collective timeout."""
 import contextlib
 import sys
 import time
@@ -16,7 +16,8 @@ from fastai.callback.core import Callback  # noqa: E402
 from fastai.callback.tracker import SaveModelCallback  # noqa: E402
 from fit_story import (ReversedDL, digits_dls, digits_learner, failed_fit, orders, refused,  # noqa: E402
                        saved_and_exported, story, sweep, tabular_digits_learner, tiny_valid,
-                       torch_loaders_learner)
+                       torch_batches_learner)
+from torch_loaders import torch_story  # noqa: E402
 
 out = Path(sys.argv[1])
 rank = ddipp.rank()
@@ -38,9 +39,10 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     res["one_valid"] = tiny_valid(digits_learner(digits_dls(bs=16, n_valid=1), out / "tiny").to_ddp())
     res["shuffled_orders"] = orders(digits_learner(digits_dls(bs=16, shuffle=True), out / "orders").to_ddp())
     res["own_orders"] = orders(digits_learner(digits_dls(bs=16, dl_type=ReversedDL), out / "orders").to_ddp(), 1)
+    res["torch_loaders"] = torch_story(lambda learn, split: learn.to_ddp(split_batches=split), 2)
     res["failed_fit"] = failed_fit(digits_learner(digits_dls(bs=16), out / "failed").to_ddp())
     res["too_large_bs"] = refused(lambda: digits_learner(digits_dls(bs=16, n_train=20), out / "bad").to_ddp())
-    res["torch_loader"] = refused(lambda: torch_loaders_learner(out / "bad").to_ddp())
+    res["torch_batches"] = refused(lambda: torch_batches_learner(out / "bad").to_ddp())
     res["saved"] = saved_and_exported(tabular_digits_learner(out / "tabular", bs=16).to_ddp(sync_bn=True))
     torch.save(res, out / f"rank{rank}.pt")
     learn = digits_learner(digits_dls(bs=16), out / "fail").to_ddp()
