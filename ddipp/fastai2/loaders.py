@@ -16,7 +16,7 @@ from fastai.torch_core import apply, to_detach
 
 from ..core.dist import loader_workers
 from ..core.sharding import (LoaderView, ShardedEvalBatchSampler, ShardedSampler, SplitBatchSampler,
-                              global_batches)
+                              global_batches, global_rngs_seeded)
 
 
 class TorchDL(DataLoader):
@@ -203,12 +203,13 @@ def global_batch_loader(dl: DataLoader, world_size: int) -> DataLoader:
 class ShardedEvalDL(_PartsDL):
     """Rank `rank`'s part of each batch of the evaluation loader `dl`: items rank, rank+N, ... of its batch k.
 
-    Batch k is what `dl` yields as batch k in one process (its `get_idxs()` order in batches of `dl.bs`); every item
-    is evaluated once across ranks, and `unshard(x, sizes(k))` rebuilds the whole batch on every rank (a rank whose
-    part is empty evaluates a placeholder item, which unshard drops)."""
+    Batch k is what `dl` yields as batch k in one process (its `get_idxs()` order in batches of `dl.bs`; a shuffled
+    order drawn alike on every rank); every item is evaluated once across ranks, and `unshard(x, sizes(k))` rebuilds
+    the whole batch on every rank (a rank whose part is empty evaluates a placeholder item, which unshard drops)."""
 
     def __init__(self, dl: DataLoader, rank: int, world_size: int):
-        idxs = list(dl.get_idxs())
+        with global_rngs_seeded(0):
+            idxs = list(LoaderOrder(dl, dl.bs))
         usable = len(idxs) // dl.bs * dl.bs if dl.drop_last else len(idxs)
         batches = [idxs[i:i + dl.bs] for i in range(0, usable, dl.bs)]
         self.parts = ShardedEvalBatchSampler(batches, rank, world_size)

@@ -254,3 +254,17 @@ def test_a_learner_on_pytorch_loaders_trains_in_a_notebook_as_one_process(capsys
     check_torch_story(run, 3)
     check_torch_orders([run["orders"]], 3)  # rank 0's, which come back
     assert "ddipp: global batch 48 = 16 per process x 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("torch_loader", [False, True])
+def test_a_shuffled_validation_loader_is_split_in_one_order_on_every_rank(torch_loader):
+    items = list(range(100, 121))
+    parts = []
+    for r in range(2):  # each rank's generators (global and the loader's own) differ
+        random.seed(100 + r)
+        torch.manual_seed(100 + r)
+        dl = (TorchDL(TorchDataLoader(items, batch_size=4, shuffle=True)) if torch_loader
+              else DataLoader(items, bs=4, shuffle=True))
+        parts.append([int(i) for b in ShardedEvalDL(dl, r, 2) for i in b])
+    parts[1] = parts[1][:-1]  # the last batch holds 1 item, rank 0's: rank 1 evaluates a placeholder
+    assert sorted(parts[0] + parts[1]) == items
