@@ -58,3 +58,10 @@ def test_the_stacks_pythons_are_the_oldest_and_the_newest_python_declared():
     floor = lower_bound(Requirement(f"python{PYPROJECT['requires-python']}"))
     assert python_minor(OLDEST.python) == declared[0] == str(floor)
     assert python_minor(NEWEST.python) == declared[-1]
+
+
+def test_the_table_goes_into_docs_dependencies_md_not_the_readmes_first_screen():
+    assert matrix.TABLE_DOC == ROOT / "docs" / "dependencies.md"
+    doc, readme = matrix.TABLE_DOC.read_text(), (ROOT / "README.md").read_text()
+    assert doc.count(matrix.BEGIN) == doc.count(matrix.END) == 1 and doc.index(matrix.BEGIN) < doc.index(matrix.END)
+    assert matrix.BEGIN not in readme and "(docs/dependencies.md)" in readme

@@ -2,8 +2,8 @@
 
 Each stack has a fastai v2 virtualenv (.matrix/<stack>-v2: the fastai v2 suite) and a fastai v1 one (.matrix/<stack>-v1:
 a subset), reused between runs. ddipp goes in from one wheel of this checkout with its extras, pip held to the stack's
-exact pins; the tests run from the checkout. Writes the table between README.md's matrix markers; exits 1 if a test
-failed. Gigabytes of downloads, so not in CI; tests/test_matrix.py keeps the stacks at pyproject.toml's bounds."""
+exact pins; the tests run from the checkout. Writes the table between docs/dependencies.md's matrix markers; exits 1 if
+a test failed. Gigabytes of downloads, so not in CI; tests/test_matrix.py keeps the stacks at pyproject.toml's bounds."""
 import contextlib
 import datetime
 import fcntl
@@ -22,7 +22,7 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 MATRIX = ROOT / ".matrix"
 DIST = MATRIX / "dist"
-README = ROOT / "README.md"
+TABLE_DOC = ROOT / "docs" / "dependencies.md"  # its "Tested versions"
 BEGIN, END = "<!-- matrix -->", "<!-- /matrix -->"
 PYENV = "/root/.pyenv"
 LOCK = "/tmp/ddipp-cpu.lock"  # heavy jobs on this machine run one at a time (flock(1)'s lock)
@@ -151,14 +151,14 @@ def table(rows: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_readme(text: str) -> None:
-    """Put the table between README.md's matrix markers, replacing what was there."""
-    readme = README.read_text()
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README.md has no '{BEGIN}' and '{END}' lines: add them where the table goes "
-                         f"(this run's table is in {MATRIX / 'table.md'})")
-    head, rest = readme.split(BEGIN, 1)
-    README.write_text(f"{head}{BEGIN}\n{text}{END}{rest.split(END, 1)[1]}")
+def write_table(text: str) -> None:
+    """Put the table between TABLE_DOC's matrix markers, replacing what was there."""
+    doc = TABLE_DOC.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{TABLE_DOC.relative_to(ROOT)} has no '{BEGIN}' and '{END}' lines: add them where the table "
+                         f"goes (this run's table is in {MATRIX / 'table.md'})")
+    head, rest = doc.split(BEGIN, 1)
+    TABLE_DOC.write_text(f"{head}{BEGIN}\n{text}{END}{rest.split(END, 1)[1]}")
 
 
 def main() -> int:
@@ -178,7 +178,7 @@ def main() -> int:
     text = table(rows)
     (MATRIX / "table.md").write_text(text)
     print(text)
-    write_readme(text)
+    write_table(text)
     return 1 if any(row["failed"] for row in rows) else 0
 
 
