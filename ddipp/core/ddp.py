@@ -1,5 +1,5 @@
 """What to_ddp does the same for every fastai: check its options against the launch or choose a notebook's devices,
-and wrap a model in DDP."""
+and wrap a model in DDP (ModelDDP: what callbacks ask of the model reaches it)."""
 import os
 from contextlib import ExitStack
 from typing import Optional, Sequence, Tuple
@@ -98,11 +98,34 @@ def say_global_batch(bs: Optional[int], processes: int, split_batches: bool) -> 
               "batch: one process's training, faster")
 
 
-class ResettableDDP(DistributedDataParallel):
-    """DDP of a fastai RNN: `reset()`, which fastai's RNN trainers call, reaches the wrapped model."""
+class ModelDDP(DistributedDataParallel):
+    """DDP whose attributes it lacks are the wrapped model's, read and written through it, as callbacks use
+    `learn.model`: fastai's RNN trainers call `reset()`, its tests read `learn.model.tst`, a custom head or a timm
+    model its own attributes. DDP's own attributes stay its own (a write reaches the model only after construction)."""
 
-    def reset(self) -> None:
-        self.module.reset()
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._built = True
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module" or "module" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self.module, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_built") and not _has_own(self, name) and hasattr(self.module, name):
+            setattr(self.module, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+def _has_own(module: nn.Module, name: str) -> bool:
+    """Whether `module` has `name` itself (its class, attributes, parameters, buffers or submodules)."""
+    return (hasattr(type(module), name) or name in vars(module)
+            or any(name in vars(module)[kind] for kind in ("_parameters", "_buffers", "_modules")))
 
 
 def wrap(model: nn.Module, undo: ExitStack, sync_bn: bool, find_unused_parameters: Optional[bool]) -> nn.Module:
@@ -114,11 +137,10 @@ def wrap(model: nn.Module, undo: ExitStack, sync_bn: bool, find_unused_parameter
     if sync_bn:
         undo.callback(convert_sync_bn(model))
     undo.callback(_ignore_empty_parameters(model))
-    resettable = hasattr(model, "reset")
-    find_unused = resettable if find_unused_parameters is None else find_unused_parameters
+    find_unused = hasattr(model, "reset") if find_unused_parameters is None else find_unused_parameters
     device = ddist.device()
-    return (ResettableDDP if resettable else DistributedDataParallel)(
-        model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=find_unused)
+    return ModelDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    find_unused_parameters=find_unused)
 
 
 def _ignore_empty_parameters(model: nn.Module):

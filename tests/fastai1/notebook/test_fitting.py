@@ -368,3 +368,26 @@ def test_a_distributed_sweep_in_the_notebook_runs_its_num_it_steps_to_end_lr(tmp
     assert len(notebook["lrs"]) == len(single["lrs"]) == 100 and notebook["lrs"][-1] > 8
     assert close(notebook["lrs"], single["lrs"]) and notebook["kept_weights"]
     assert close(notebook["losses"], single["losses"], tol=1e-3)  # summation order shows at lrs of 5 to 8: 4e-5
+
+
+class ReadsTheModel(LearnerCallback):
+    """Reads the model's own attribute through the learner each training step, as callbacks read a custom head's."""
+
+    def on_train_begin(self, **kwargs):
+        self.seen = []
+
+    def on_batch_end(self, train, **kwargs):
+        if train:
+            self.seen.append(self.learn.model.label)
+
+
+@pytest.mark.slow
+def test_a_callback_reads_the_models_attributes_through_the_ddp_wrapper_as_locally(tmp_path):
+    seen = []
+    for learn in (digits_learner(digits_data(tmp_path / "one", bs=32)),
+                  digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2)):
+        learn.model.label = "digits"
+        callback = ReadsTheModel(learn)
+        learn.fit(1, 1e-2, callbacks=[callback])
+        seen.append(callback.seen)
+    assert seen[1] == seen[0] == ["digits"] * 44

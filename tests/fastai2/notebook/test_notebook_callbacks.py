@@ -378,3 +378,25 @@ def test_fastais_control_flow_exceptions_raised_by_a_notebooks_callback_work_as_
                          ("epoch", 1, 2), ("fit", 2, 1)]
     assert there.seen == here.seen
     assert_same_fit(notebook, local)
+
+
+class ReadsTheModel(Callback):
+    """Reads the model's own attribute through the learner each training step, as fastai's 13a tests read
+    `learn.model.tst` and callbacks read a custom head's or a timm model's attributes."""
+
+    def before_fit(self):
+        self.seen = []
+
+    def after_batch(self):
+        if self.training:
+            self.seen.append(self.learn.model.label)
+
+
+def test_a_callback_reads_the_models_attributes_through_the_ddp_wrapper_as_locally(tmp_path):
+    local, notebook = learners(tmp_path)
+    here, there = ReadsTheModel(), ReadsTheModel()
+    for learn, callback in ((local, here), (notebook, there)):
+        learn.model.label = "digits"
+        learn.fit(1, 1e-2, cbs=callback)
+    assert there.seen == here.seen == ["digits"] * 20
+    assert_same_fit(notebook, local)

@@ -1,0 +1,43 @@
+"""ddipp.core.ddp's wrap: the DDP wrapper of a fit's model passes on what callbacks ask of the model."""
+from contextlib import ExitStack
+
+import pytest
+import torch.distributed as dist
+from torch import nn
+
+from ddipp.core.ddp import wrap
+
+
+class Head(nn.Module):
+    """A custom head: a submodule, a plain attribute, a method, and an attribute named as one of DDP's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.tst, self.scale, self.logger, self.resets = nn.Linear(2, 2), 2.0, "the head's", 0
+
+    def forward(self, x):
+        return self.tst(x) * self.scale
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_what_the_ddp_wrapper_lacks_reads_and_writes_through_to_the_model(tmp_path):
+    """fastai's callbacks read `learn.model.tst` (its 13a tests), custom heads' and timm models' attributes, and
+    RNNs' `reset()`; under DDP each failed with "'DistributedDataParallel' object has no attribute ..."."""
+    model = Head()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with ExitStack() as undo:
+            wrapped = wrap(model, undo, sync_bn=False, find_unused_parameters=None)
+            assert wrapped.tst is model.tst and wrapped.scale == 2.0
+            wrapped.reset()
+            wrapped.scale = 3.0  # the model's attribute: written to the model
+            wrapped.note = "new"  # one neither has: on the wrapper, as DDP keeps it
+            assert model.resets == 1 and model.scale == 3.0 and not hasattr(model, "note")
+            assert model.logger == "the head's" and wrapped.logger is not model.logger  # DDP's own stay its own
+            assert wrapped.training and wrapped.module is model
+            with pytest.raises(AttributeError, match="'Head' object has no attribute 'missing'"):
+                wrapped.missing
+    finally:
+        dist.destroy_process_group()
