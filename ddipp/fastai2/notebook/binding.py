@@ -16,7 +16,19 @@ def fit_on_group(learn: Learner, n_epoch: int, lr: Any = None, wd: Any = None, c
     """`Learner.fit` on the worker group: same arguments, and afterwards the learner a local fit would leave."""
     learn.ddp.say_global_batch(batch_size(learn.dls.train))  # again if new learn.dls changed the batch size
     callbacks, mirror = fit_callbacks(learn, cbs), ProgressMirror()  # listed before the call: both sides list the same
-    binding.fit_on_group(
-        learn, "dls", lambda held: fit_call(learn, held, n_epoch, lr, wd, cbs, reset_opt, start_epoch), mirror,
-        apply_results=lambda results: apply_results(learn, results, mirror.bar, callbacks),
-        kept=lambda: (len(getattr(learn.recorder, "values", [])), len(getattr(learn.recorder, "losses", []))))
+    try:
+        binding.fit_on_group(
+            learn, "dls", lambda held: fit_call(learn, held, n_epoch, lr, wd, cbs, reset_opt, start_epoch), mirror,
+            apply_results=lambda results: apply_results(learn, results, mirror.bar, callbacks),
+            kept=lambda: (len(getattr(learn.recorder, "values", [])), len(getattr(learn.recorder, "losses", []))))
+    except BaseException:
+        _recorder_started(learn)
+        raise
+
+
+def _recorder_started(learn: Learner) -> None:
+    """A failed fit leaves the Recorder's lists, as a local fit's does (its before_fit runs before any step can fail);
+    one refused on the workers, or whose rank 0 died, before the Recorder started, left a new learner without them."""
+    recorder = getattr(learn, "recorder", None)
+    if recorder is not None and "values" not in vars(recorder):
+        recorder.before_fit()

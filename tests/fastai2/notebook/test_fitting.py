@@ -238,6 +238,19 @@ def test_an_unpicklable_learner_or_data_attribute_is_refused_before_the_fit_nami
     assert max_diff(params(learn), before) > 0
 
 
+@pytest.mark.slow
+def test_after_a_refused_first_fit_the_recorder_holds_what_a_failed_local_fit_leaves(notebook, tmp_path):
+    """The refusal comes before fastai's Recorder starts its lists, a local fit's failure after: `recorder.values`
+    raised AttributeError ('TabularModel' object has no attribute 'values') where one process gives []."""
+    local = tabular_digits_learner(tmp_path / "one", bs=1)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):  # BatchNorm on one item
+        local.fit(1, 1e-2)
+    learn = tabular_digits_learner(tmp_path / "nb", bs=1).to_ddp(nprocs=2, split_batches=True)
+    with pytest.raises(ValueError, match="split_batches=True splits each batch of bs=1 over 2 processes"):
+        learn.fit(1, 1e-2)
+    assert history(learn) == history(local) == dict(values=[], losses=[], lrs=[])
+
+
 class FailOnRank1(Callback):
     def after_batch(self):
         if self.training and self.iter == 2 and ddipp.rank() == 1:
