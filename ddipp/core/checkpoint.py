@@ -1,8 +1,11 @@
 """What both adapters' Checkpoint callbacks do alike: write a state keeping the files before it if asked, read back the
-state rank 0 wrote, checked against the fit's `start_epoch`, and go on from a batch in the middle of an epoch."""
+state rank 0 wrote (checked against the fit's `start_epoch`; after a restart, the newest kept file that reads back), and
+go on from a batch in the middle of an epoch."""
 import os
+import re
+import zipfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -49,14 +52,70 @@ def write_checkpoint(state: dict, path: Path, keep: int) -> None:
     save_atomic(state, path)
 
 
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file that does not read back as one: the message names the file and what is wrong with it."""
+
+
+def load_checkpoint(path: Path) -> dict:
+    """The state ddipp wrote at `path`, read weights-only (tensors, numbers and lists: it runs no code), or
+    DamagedCheckpoint naming the file and what is wrong with it (empty, truncated, not a checkpoint ddipp wrote)."""
+    size = path.stat().st_size
+    if size == 0:
+        raise DamagedCheckpoint(f"{path} is empty (0 bytes)")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its directory is at the end
+        with open(path, "rb") as f:
+            truncated = f.read(4) == b"PK\x03\x04"
+        raise DamagedCheckpoint(f"{path} is truncated: a zip archive of {size} bytes without its end" if truncated
+                                else f"{path} is not a checkpoint: {size} bytes that are not the zip archive "
+                                     "torch.save writes")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise DamagedCheckpoint(f"{path} is not a checkpoint ddipp wrote: {_unreadable(e)}") from None
+    if not isinstance(state, dict) or not {"model", "opt", "epoch"} <= state.keys():
+        raise DamagedCheckpoint(f"{path} is not a checkpoint ddipp wrote: a {type(state).__name__} without the "
+                                "model, opt and epoch a Checkpoint writes (learn.save's files load with learn.load)")
+    return state
+
+
+def _unreadable(error: Exception) -> str:
+    """Why torch could not read a file weights-only, in words that never suggest reading it otherwise."""
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    if refused:
+        return (f"it holds {refused[1]}, which a weights-only load refuses (ddipp writes tensors, numbers and lists, "
+                "and reads nothing that could run code)")
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return "its content is damaged" + (f" ({detail})" if detail and "weights_only" not in str(error) else "")
+
+
+def restart_state(path: Path, keep: int) -> Tuple[Optional[dict], Path, Optional[str]]:
+    """After a restart: the state of the newest of `path` and the `keep` - 1 files kept before it that reads back,
+    the file it is from, and what was wrong with the newer ones (None when `path` read back); (None, `path`, None)
+    when there is no file, (None, `path`, what was wrong) when none reads back."""
+    damaged: List[str] = []
+    for k in range(keep):
+        if not previous(path, k).exists():
+            break
+        try:
+            return load_checkpoint(previous(path, k)), previous(path, k), "; ".join(damaged) or None
+        except DamagedCheckpoint as e:
+            damaged.append(str(e))
+    return None, path, "; ".join(damaged) or None
+
+
 def read_checkpoint(path: Path, start_epoch: int) -> dict:
-    """The state at `path` once rank 0's last write is complete on every rank; FileNotFoundError or ValueError saying
-    what to pass when there is none, or it holds another epoch's."""
+    """The state at `path` once rank 0's last write is complete on every rank; FileNotFoundError, DamagedCheckpoint or
+    ValueError saying what to pass when there is none, it does not read back, or it holds another epoch's."""
     ddist.barrier()
     if not path.exists():
         raise FileNotFoundError(f"start_epoch={start_epoch}: no checkpoint at {path}; fit from the start "
                                 "(no start_epoch) or give Checkpoint the name the interrupted fit used")
-    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and lists only: runs no code
+    try:
+        state = load_checkpoint(path)
+    except DamagedCheckpoint as e:
+        raise DamagedCheckpoint(f"start_epoch={start_epoch}: {e}; put an earlier kept file ({previous(path, 1).name}, "
+                                "with Checkpoint(keep=2) or more) in its place, or fit from the start (no start_epoch)"
+                                ) from None
     if state["epoch"] != start_epoch:
         raise ValueError(f"start_epoch={start_epoch}, but {path} holds the state after "
                          f"{progress(state['epoch'], state.get('step', 0))}; pass start_epoch={state['epoch']}")

@@ -1,7 +1,6 @@
 """Checkpoint: a fit that can be resumed where it stopped, with the same result as if it had not stopped."""
 from pathlib import Path
 
-import torch
 from fastai.basic_train import Learner, LearnerCallback, Recorder
 from fastai.callback import Callback
 from fastai.core import defaults
@@ -9,7 +8,8 @@ from fastai.train import AccumulateScheduler
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import FromBatch, check_every_steps, check_keep, read_checkpoint, write_checkpoint
+from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, read_checkpoint, restart_state,
+                               write_checkpoint)
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit
@@ -46,13 +46,15 @@ class Checkpoint(LearnerCallback):
     def skips(self, n_epochs: int) -> bool:
         """Called by a launched learner's fit before fastai's, after an elastic restart: True if this fit is one the
         run finished (the state it ended with loaded when it is the file's fit), else the fit runs as planned."""
+        if not resume.restarted():  # a notebook's restarted group, past the fit it ran again
+            return False
         self.identity, self.n_epochs = dict(resume.next_fit(), lrs=self.fit_lrs), n_epochs
-        self.saved = torch.load(self.path, map_location="cpu", weights_only=True) if self.path.exists() else None
-        self.plan = resume.plan(self.saved, self.identity, n_epochs, len(self.learn.data.train_ds), self.path)
-        line = resume.say(self.plan, self.identity["fit"], self.path)
+        self.saved, file, damaged = restart_state(self.path, self.keep)
+        self.plan = resume.plan(self.saved, self.identity, n_epochs, len(self.learn.data.train_ds), file)
+        line = resume.say(self.plan, self.identity["fit"], file, damaged)
         if line and ddist.is_rank0():
             print(line, flush=True)
-        finished = self.plan.action == "resume" and self.plan.epoch >= n_epochs
+        finished = self.plan.action == "finished"
         if self.plan.action != "skip" and not finished:
             return False
         if not hasattr(self.learn, "recorder"):  # the restarted script's first fit: none made one yet, an empty one

@@ -6,18 +6,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from fastai.callback.core import Callback, CancelFitException
-from fastai.callback.schedule import ParamScheduler
-from fastai.callback.training import GradientAccumulation
 from fastai.learner import SkipToEpoch
 from fastai.torch_core import to_device
 from fastcore.foundation import L
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import FromBatch, check_every_steps, check_keep, read_checkpoint, write_checkpoint
+from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, read_checkpoint, restart_state,
+                               write_checkpoint)
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import load_model_state, model_state
-from .callbacks import distributed_fit
+from .callbacks import distributed_fit, imported
 from .state import load_opt_state_dict, opt_state_dict
 
 
@@ -39,7 +38,7 @@ class Checkpoint(Callback):
         self.file_name, self.keep = f"{name}.pth", check_keep(keep)  # keep: the files that stay (name.1.pth, ...)
         self.every_steps = check_every_steps(every_steps)
         self.skipping = None  # the SkipToEpoch a restarted fit added, until its end
-        self.from_batch, self.pct_train, self.start_rngs, self.step_rngs = 0, None, None, None  # a mid-epoch file's
+        self.from_batch, self.from_pct, self.start_rngs, self.step_rngs = 0, None, None, None  # a mid-epoch file's
 
     @property
     def file(self) -> Path:
@@ -56,20 +55,22 @@ class Checkpoint(Callback):
             raise ValueError(f"Checkpoint(every_steps={self.every_steps}) cannot resume the training metrics of "
                              "Recorder(train_metrics=True) in the middle of an epoch: drop every_steps, or "
                              "train_metrics")
-        if self.run and not self.resuming and resume.restart_count() > 0:
+        if self.run and not self.resuming and resume.restarted():
             self._resume_by_itself()
 
     def _resume_by_itself(self):
-        """After an elastic restart: skip this fit, resume it after the epochs its file holds, or run it (Plan)."""
-        self.saved = torch.load(self.file, map_location="cpu", weights_only=True) if self.file.exists() else None
-        plan = resume.plan(self.saved, self.identity, self.learn.n_epoch, len(self.learn.dls.train), self.file)
-        line = resume.say(plan, self.identity["fit"], self.file)
+        """After an elastic restart: skip this fit, resume it after the epochs its file holds, or run it (Plan), from
+        the newest kept file that reads back."""
+        self.saved, file, damaged = restart_state(self.file, self.keep)
+        plan = resume.plan(self.saved, self.identity, self.learn.n_epoch, len(self.learn.dls.train), file)
+        line = resume.say(plan, self.identity["fit"], file, damaged)
         if line and ddist.is_rank0():
             print(line, flush=True)
         if plan.action == "skip":
             raise CancelFitException()
-        if plan.action == "resume" and plan.epoch >= self.learn.n_epoch:  # finished: its end state, no epoch to run
+        if plan.action == "finished":  # its end state, no epoch to run; the epoch it ended in, as its fit left it
             self._load(self.saved)
+            self.learn.epoch = self.learn.n_epoch - 1
             raise CancelFitException()
         if plan.action == "resume":
             self.skipping = SkipToEpoch(plan.epoch)
@@ -85,7 +86,7 @@ class Checkpoint(Callback):
     def before_train(self):
         if self.from_batch:  # a mid-epoch file's epoch starts as it started; its batches before the file's are dropped
             self._set_rngs(self.start_rngs)
-            self.learn.pct_train = self.pct_train
+            self.learn.pct_train = self.from_pct
             self.learn.dl = FromBatch(self.learn.dl, self.from_batch, lambda: self._set_rngs(self.step_rngs))
         self.epoch_rngs = [rng_state(), _loader_rng(self.learn)]  # what a file written in this epoch starts it with
 
@@ -149,7 +150,7 @@ class Checkpoint(Callback):
             setattr(recorder, name, list(recorded))
         rngs = this_rank(state["rngs"], self.file)
         if state.get("step"):  # written mid-epoch: the epoch starts as it started, and goes on at its batch `step`
-            self.from_batch, self.pct_train, self.step_rngs = state["step"], state["pct_train"], rngs
+            self.from_batch, self.from_pct, self.step_rngs = state["step"], state["pct_train"], rngs
             self.start_rngs = None if rngs is None else rngs[2]
         else:
             self._set_rngs(rngs)
@@ -166,14 +167,16 @@ class Checkpoint(Callback):
 def _lrs(learn) -> list:
     """The learning rates a fit runs at (a restarted script's fit must run at the same): its schedules' at the start,
     middle and end, or the optimizer's."""
-    schedules = [cb.scheds["lr"] for cb in learn.cbs if isinstance(cb, ParamScheduler) and "lr" in cb.scheds]
+    scheduler = imported("fastai.callback.schedule", "ParamScheduler")
+    schedules = [cb.scheds["lr"] for cb in learn.cbs if isinstance(cb, scheduler) and "lr" in cb.scheds]
     values = [f(pct) for f in schedules for pct in (0.0, 0.5, 1.0)] or [h["lr"] for h in learn.opt.hypers]
     return [float(v) for value in values for v in np.ravel(np.asarray(value, dtype=float))]
 
 
 def _accumulating(learn) -> bool:
     """True while a GradientAccumulation holds gradients it has not stepped with (no state to write then)."""
-    return any(isinstance(cb, GradientAccumulation) and cb.count for cb in learn.cbs)
+    accumulation = imported("fastai.callback.training", "GradientAccumulation")
+    return any(isinstance(cb, accumulation) and cb.count for cb in learn.cbs)
 
 
 def _loader_rng(learn):

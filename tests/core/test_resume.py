@@ -22,6 +22,29 @@ def test_fits_before_the_files_are_skipped_its_own_resumes_later_ones_run(fit, e
     assert resume.plan(saved(2, 3), identity(fit), 4, 20, FILE) == expected
 
 
+def test_the_files_fit_that_had_ended_is_said_to_have_ended_not_resumed(monkeypatch):
+    monkeypatch.setenv(resume.RESTART_ENV, "1")
+    plan = resume.plan(saved(2, 3, n_epochs=3), identity(2), 3, 20, FILE)
+    assert plan == resume.Plan("finished", 3)
+    assert resume.say(plan, 2, FILE) == ("ddipp: restart 1: fit 2 had ended before the restart: the state it ended "
+                                         "with loaded from models/checkpoint.pth")
+
+
+def test_in_a_notebooks_restarted_group_only_the_fit_sent_again_is_a_restarted_one(monkeypatch):
+    monkeypatch.setattr(resume, "_sent", None)
+    monkeypatch.setattr(resume, "_first_sent", None)
+    monkeypatch.setenv(resume.RESTART_ENV, "1")
+    assert resume.restarted()  # launched: every fit of the script that runs again
+    resume.fit_sent(3)  # the fit the notebook sent again to the group that replaced the one whose worker died
+    assert resume.restarted() and resume.next_fit()["fit"] == 3
+    resume.fit_sent(4)
+    assert not resume.restarted()  # a new fit on that group
+    monkeypatch.setenv(resume.RESTART_ENV, "0")
+    monkeypatch.setattr(resume, "_first_sent", None)
+    resume.fit_sent(1)
+    assert not resume.restarted()
+
+
 @pytest.mark.parametrize("file_state", [None, saved(2, 3, run_id="run-b"), saved(2, 3, run_id=None)])
 def test_a_file_of_another_launch_or_none_starts_from_scratch(file_state):
     plan = resume.plan(file_state, identity(2), 4, 20, FILE)
@@ -43,6 +66,18 @@ def test_another_schedule_or_script_is_refused_with_what_differs():
 
 
 def test_the_lines_say_what_happened(monkeypatch):
+    monkeypatch.setenv(resume.RESTART_ENV, "2")
+    kept = Path("models/steps.1.pth")
+    damaged = "models/steps.pth is truncated: a zip archive of 700 bytes without its end"
+    assert resume.say(resume.Plan("resume", 1, 4), 4, kept, damaged) == (
+        "ddipp: restart 2: fit 4 resumed after epoch 1 and 4 batches of epoch 2 from models/steps.1.pth "
+        f"({damaged})")
+    assert resume.say(resume.Plan("fresh"), 1, FILE, damaged) == (
+        f"ddipp: restart 2: fit 1 starts from scratch ({damaged}; no earlier kept file reads back: Checkpoint(keep=N) "
+        "keeps the N - 1 before the last)")
+    assert resume.say(resume.Plan("run"), 4, kept, damaged) == (
+        "ddipp: restart 2: fit 4 runs from its start: models/steps.1.pth, the newest file that reads back, is an "
+        f"earlier fit's ({damaged})")
     monkeypatch.setenv(resume.RESTART_ENV, "1")
     assert resume.say(resume.Plan("resume", 3), 2, FILE) == ("ddipp: restart 1: fit 2 resumed after epoch 3 from "
                                                             "models/checkpoint.pth")

@@ -1,6 +1,6 @@
 """Checkpoint: resuming a 4-epoch one-cycle fit after epoch 2, on 2 ranks (`beyond_ranks`) and in one process;
 resuming a 3-epoch fit after epoch 2 on the data fastai users build."""
-import pickle
+import re
 from functools import partial
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from fastai.vision import ImageDataBunch, ImageList
 import ddipp
 from beyond import DieWriting, KillRank1, StopAt, ckpt_learner, resume_story
 from conftest import check_restart_said, image_folder, launch_restartable, rank_files, tiny_cnn
+from ddipp.core.checkpoint import DamagedCheckpoint
 from ddipp.core.files import save_atomic
 from ddipp.core.group.group import shutdown
 from ddipp.core.rng import seed_all
@@ -51,7 +52,7 @@ def test_keep_leaves_the_checkpoints_before_the_last(tmp_path):
 def test_a_plain_fit_refuses_a_file_written_mid_epoch_naming_what_resumes_it(tmp_path):
     learn = ckpt_learner(tmp_path)
     (tmp_path / "models").mkdir(exist_ok=True)
-    save_atomic(dict(epoch=1, step=3), tmp_path / "models" / "cut.pth")
+    save_atomic(dict(model={}, opt={}, epoch=1, step=3), tmp_path / "models" / "cut.pth")
     with pytest.raises(ValueError, match=r"cut\.pth holds the state after epoch 1 and 3 batches of epoch 2: a learner "
                                          r"made with to_ddp\(\) resumes it in the middle of an epoch"):
         learn.fit_one_cycle(3, 1e-2, start_epoch=1, callbacks=[ddipp.Checkpoint(learn, name="cut")])
@@ -97,9 +98,11 @@ def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tm
     marker = tmp_path / "code-ran"
     (learn.path / learn.model_dir).mkdir()
     torch.save(dict(epoch=2, payload=_RunsCode(marker)), learn.path / learn.model_dir / "run.pth")
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(DamagedCheckpoint, match=r"run\.pth is not a checkpoint ddipp wrote: it holds \S*open, "
+                                                r"which a weights-only load refuses") as refused:
         learn.fit_one_cycle(4, 1e-2, start_epoch=2)
     assert not marker.exists()
+    assert "weights_only" not in str(refused.value)  # torch's advice to load it unsafely
 
 
 def image_learner(path: Path) -> Learner:
@@ -153,9 +156,14 @@ def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_sto
     assert f"ddipp: restart 1: fit 1 starts from scratch (no checkpoint of this launch in {models}" in said
     assert "ddipp: restart 2: fit 1 finished before the restart: skipped" in said
     assert f"ddipp: restart 2: fit 2 resumed after epoch 2 from {models}" in said
-    assert f"ddipp: restart 3: fit 2 resumed after epoch 4 from {models}" in said  # finished: its end state loaded
+    assert f"ddipp: restart 3: fit 2 had ended before the restart: the state it ended with loaded from {models}" \
+        in said
     assert f"ddipp: restart 4: fit 4 resumed after epoch 0 and 12 batches of epoch 1 from {models}" in said
-    assert f"ddipp: restart 5: fit 4 resumed after epoch 1 and 10 batches of epoch 2 from {models}" in said
+    # its newest file truncated: from the one its Checkpoint (keep=2) kept before it
+    folder = re.escape(str(models))
+    assert re.search(rf"ddipp: restart 5: fit 4 resumed after epoch 1 and 4 batches of epoch 2 from "
+                     rf"{folder}/steps\.1\.pth \({folder}/steps\.pth is truncated: a zip archive of \d+ bytes "
+                     r"without its end\)\n", said)
 
 
 @pytest.mark.slow
