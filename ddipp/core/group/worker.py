@@ -6,7 +6,7 @@ method here (`messages` names them). A fit runs in the adapter's fitting module,
 (`adapter.Fitting`); rank 0 relays its progress bars and prints while it fits; a fit that fails sends rank
 0's results as of its last completed step, then the error, and leaves the process group. SIGUSR1 asks a fit to stop
 (every rank stops after the same step). It exits when its parent dies: the notebook, or the notebook's fork server
-(which ends with the notebook).
+(which ends with the notebook); the processes it forks (its data loaders' workers) die with it.
 """
 import ipaddress
 import os
@@ -39,6 +39,19 @@ def _exit_with_parent() -> None:
             time.sleep(0.5)
         os._exit(1)
     threading.Thread(target=watch, daemon=True, name="ddipp-parent-watch").start()
+
+
+def _children_die_with_it() -> None:
+    """Have every process this one forks (a DataLoader's workers) killed when it dies: they hold copies of its sockets,
+    so a rank killed while its loaders ran left its peers' collectives and the notebook waiting 5 s, until torch's
+    watchdog in the loader workers noticed."""
+    parent = os.getpid()
+
+    def in_child() -> None:
+        _signal_when_parent_ends(signal.SIGKILL)
+        if os.getppid() != parent:  # it died before that
+            os._exit(1)
+    os.register_at_fork(after_in_child=in_child)
 
 
 def _signal_when_parent_ends(signum: int) -> None:
@@ -161,5 +174,6 @@ def main() -> None:
         send(conn, (ERROR, _pickled_exception(e), traceback.format_exc()))
         raise
     _signal_when_parent_ends(0)  # joined: the notebook thread that started this worker may end (a fit run in a thread)
+    _children_die_with_it()
     worker.serve()
     dist.teardown()
