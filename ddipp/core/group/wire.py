@@ -203,8 +203,10 @@ class _Pickler(cloudpickle.Pickler):
         ref = self.refs.get(id(obj))
         if ref is not None:
             return ref[0]
-        if isinstance(obj, (MasterBar, ProgressBar)):
+        if isinstance(obj, MasterBar):
             return "bar"
+        if isinstance(obj, ProgressBar):
+            return "child_bar"
         return None
 
     def reducer_override(self, obj):

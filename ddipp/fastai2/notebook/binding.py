@@ -19,7 +19,7 @@ def fit_on_group(learn: Learner, n_epoch: int, lr: Any = None, wd: Any = None, c
     try:
         binding.fit_on_group(
             learn, "dls", lambda held: fit_call(learn, held, n_epoch, lr, wd, cbs, reset_opt, start_epoch), mirror,
-            apply_results=lambda results: apply_results(learn, results, mirror.bar, callbacks),
+            apply_results=lambda results: apply_results(learn, results, mirror.bar, mirror.child_bar, callbacks),
             kept=lambda: (len(getattr(learn.recorder, "values", [])), len(getattr(learn.recorder, "losses", []))))
     except BaseException:
         _recorder_started(learn)

@@ -2,9 +2,9 @@
 
 The notebook's learner travels with everything but its data (which the workers already keep); the fit runs with
 ddipp's callbacks as in a launched script; rank 0 sends back what a local fit would have changed: the weights and the
-optimizer, the learner's attributes (final_record, epoch, ...) and the state of every callback of the fit (the
-recorder's losses and values, SaveModelCallback's best, CSVLogger's file name), each put back on the notebook's own
-objects, so a callback the user holds sees what the fit did to it.
+optimizer, the learner's attributes (final_record, epoch, ...), the state of every callback of the fit (the
+recorder's losses and values, SaveModelCallback's best, CSVLogger's file name, the progress bar) and of every metric,
+each put back on the notebook's own objects, so a callback the user holds sees what the fit did to it.
 """
 import sys
 from contextlib import ExitStack
@@ -85,10 +85,10 @@ def _ours(value: Any) -> bool:
 
 def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = None) -> List[bytes]:
     """What the fit changed, in two parts: the weights (with their gradients) and optimizer first, on their own; then
-    the learner's attributes, the state of each of the fit's `callbacks`, the callbacks the fit added, and notes on
-    what could not be pickled (None in its place: an unpicklable attribute never costs the weights or the recorder).
-    What held the `relay` (learn.logger, CSVLogger's old_logger) comes back holding the ProgressCallback it stood
-    for."""
+    the learner's attributes, the state of each of the fit's `callbacks` and metrics, the callbacks the fit added,
+    notes on what could not be pickled (None in its place: an unpicklable attribute never costs the weights or the
+    recorder). What held the `relay` (learn.logger, CSVLogger's old_logger) comes back holding the ProgressCallback it
+    stood for, and that ProgressCallback with the relay's state."""
     objects = learner_objects(learn, callbacks)
     if relay is not None:
         objects.update({key: relay for key, cb in list(objects.items()) if cb is relay.stands_for})
@@ -97,7 +97,7 @@ def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = No
     objects["opt"] = learn.opt  # the recorder and the schedulers hold the same optimizer: the first part's
     attrs = {k: v for k, v in travelling_state(learn).items()
              if k not in _HELD and not _ours(v) and not any(v is cb for cb in learn.cbs)}
-    states = dict(learn=attrs, cbs=[vars(cb) for cb in callbacks],
+    states = dict(learn=attrs, cbs=[_state(cb, relay) for cb in callbacks], metrics=[vars(m) for m in learn.metrics],
                   added=[cb for cb in learn.cbs if not _ours(cb) and not any(cb is c for c in callbacks)], notes=[])
     try:
         return parts + [dumps(states, objects=objects)]
@@ -115,7 +115,18 @@ def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = No
         except Exception as e:
             notes.append(f"{type(cb).__name__}, which the fit added, stayed on the workers: it cannot be pickled ({e})")
     states["added"] = kept
+    states["metrics"] = [_picklable(state, objects, type(m).__name__, error, notes) for m, state in
+                         zip(learn.metrics, states["metrics"])]
     return parts + [dumps(states, objects=objects)]
+
+
+def _state(cb: Any, relay: Optional[ProgressRelay]) -> dict:
+    """What `cb` holds after the fit: for the ProgressCallback the `relay` stood for, what the relay holds (its last
+    bar, the notebook's own once there), as a local fit leaves its ProgressCallback; not its learner, which fastai
+    unset when it took the relay off."""
+    if relay is None or cb is not relay.stands_for:
+        return vars(cb)
+    return {k: v for k, v in vars(relay).items() if k not in ("relay", "stands_for", "learn")}
 
 
 def _picklable(state: dict, objects: dict, what: str, error: Exception, notes: list) -> dict:
@@ -126,9 +137,10 @@ def _picklable(state: dict, objects: dict, what: str, error: Exception, notes: l
     return state
 
 
-def apply_results(learn: Learner, parts: List[bytes], bar: Any, callbacks: list) -> None:
-    """The notebook's half again: leave `learn` and the fit's `callbacks` as the fit on rank 0 left its copies."""
-    objects = {**learner_objects(learn, callbacks), "bar": bar}
+def apply_results(learn: Learner, parts: List[bytes], bar: Any, child_bar: Any, callbacks: list) -> None:
+    """The notebook's half again: leave `learn`, its metrics and the fit's `callbacks` as the fit on rank 0 left its
+    copies (rank 0's bars are the notebook's master `bar` and last `child_bar`)."""
+    objects = {**learner_objects(learn, callbacks), "bar": bar, "child_bar": child_bar}
     device = getattr(learn.dls, "device", None) or torch.device("cpu")  # PyTorch loaders leave it unset
     got = loads(parts[0], objects, device)
     load_model_state(learn.model, got["model"])
@@ -141,6 +153,8 @@ def apply_results(learn: Learner, parts: List[bytes], bar: Any, callbacks: list)
     vars(learn).update(got["learn"])
     for cb, state in zip(callbacks, got["cbs"]):
         vars(cb).update(state)
+    for metric, state in zip(learn.metrics, got["metrics"]):
+        vars(metric).update(state)
     learn.add_cbs(got["added"])
     for note in got["notes"]:
         print(f"ddipp: {note}", file=sys.stderr)

@@ -10,7 +10,7 @@ from fastcore.foundation import L
 
 from ...core.group.wire import importable_from
 
-# made by fastcore's mk_class in fastcore.basics's name: sent by value, a worker's `except CancelFitException` missed them
+# made in fastcore.basics's name (mk_class): sent by value, they were other classes to the workers' `except`
 importable_from("fastai.callback.core", [getattr(fastai.callback.core, name) for name in (
     "CancelBatchException", "CancelBackwardException", "CancelStepException", "CancelTrainException",
     "CancelValidException", "CancelEpochException", "CancelFitException")])

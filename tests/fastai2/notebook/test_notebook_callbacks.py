@@ -400,3 +400,18 @@ def test_a_callback_reads_the_models_attributes_through_the_ddp_wrapper_as_local
         learn.fit(1, 1e-2, cbs=callback)
     assert there.seen == here.seen == ["digits"] * 20
     assert_same_fit(notebook, local)
+
+
+def test_one_batch_by_hand_after_a_fit_runs_the_callbacks_as_after_a_local_fit(tmp_path):
+    """fastai's 16_callback.progress: `learn.one_batch` after a fit runs the learner's callbacks on what the fit left,
+    the Recorder's metrics as the last validation left them and the ProgressCallback's last bar, which stayed on the
+    workers (AttributeError: 'AvgMetric' object has no attribute 'total', then no `pbar`)."""
+    local, notebook = learners(tmp_path)
+    batch = local.dls.valid.one_batch()
+    for learn in (local, notebook):
+        learn.fit(1, 1e-2)
+        learn.one_batch(0, batch)  # in validation mode, as the fit ended: the metrics accumulate one batch more
+    assert_same_fit(notebook, local)
+    here, there = ([float(m.value) for m in learn.recorder._valid_mets] for learn in (local, notebook))
+    assert len(here) == 4 and close(there, here)  # the loss and the 3 metrics: the validation set and the batch again
+    assert notebook.progress.pbar.total == local.progress.pbar.total == 2  # the validation bar: 101 items, 64 a batch
