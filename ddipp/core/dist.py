@@ -174,6 +174,7 @@ def init() -> bool:
     After `leave()` it joins a new group of the same ranks, through the old group's store: every rank left when a
     fit failed, so all of them meet again at their next fit (a script whose every rank caught the error goes on)."""
     if dist.is_initialized():
+        _teardown_at_exit()  # a group the script made itself (torch's init_process_group) too
         return True
     if not launched():
         return False
@@ -185,7 +186,7 @@ def init() -> bool:
         options["device_id"] = dev
     if _left is None:
         _join(backend, options)
-        atexit.register(teardown)
+        _teardown_at_exit()
     else:
         store, world_size, times = _left
         os.environ["WORLD_SIZE"] = str(world_size)
@@ -347,6 +348,18 @@ def teardown() -> None:
     """Leave the process group, if this process is in one."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_at_exit = False  # teardown is registered to run at the interpreter's exit
+
+
+def _teardown_at_exit() -> None:
+    """Have the interpreter's exit leave the process group (teardown), once: a gloo group still there when the
+    interpreter ends can abort a rank that finished its work (SIGABRT, "terminate called without an active exception")."""
+    global _at_exit
+    if not _at_exit:
+        atexit.register(teardown)
+        _at_exit = True
 
 
 def barrier() -> None:
