@@ -9,14 +9,12 @@ smooths it without gathering it again.
 """
 import copy
 import os
+import sys
 from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
-from fastai.callback.progress import CSVLogger, ProgressCallback, ShowGraphCallback
-from fastai.callback.schedule import LRFinder
-from fastai.callback.training import GradientAccumulation
 from fastai.data.load import DataLoader
 from fastai.learner import AvgSmoothLoss
 from fastai.torch_core import to_detach
@@ -149,10 +147,11 @@ class DistributedCallback(Callback):
         learn = self.learn
         self.undo.enter_context(learn.no_logging())
         for cb in learn.cbs:
-            if isinstance(cb, (ProgressCallback, ShowGraphCallback)):  # the graph is drawn on rank 0's bar
+            bars = imported("fastai.callback.progress", "ProgressCallback", "ShowGraphCallback")  # the graph: on a bar
+            if isinstance(cb, bars):
                 self.undo.callback(setattr, cb, "run", cb.run)
                 cb.run = False
-            elif isinstance(cb, CSVLogger):
+            elif isinstance(cb, imported("fastai.callback.progress", "CSVLogger")):
                 self.undo.callback(setattr, cb, "fname", cb.fname)
                 cb.fname = UnnamedFile()
 
@@ -163,7 +162,7 @@ class DistributedCallback(Callback):
         if self.split_batches:
             return
         for cb in self.learn.cbs:
-            if isinstance(cb, GradientAccumulation):
+            if isinstance(cb, imported("fastai.callback.training", "GradientAccumulation")):
                 self.undo.callback(setattr, cb, "n_acc", cb.n_acc)
                 cb.n_acc = cb.n_acc / self.world_size
 
@@ -279,6 +278,14 @@ def _set_quietly(cb: Callback, name: str, value) -> None:
     object.__setattr__(cb, name, value)
 
 
+def imported(module: str, *names: str) -> tuple:
+    """fastai's classes `names` of `module`, for isinstance, once something imported it; () before, when none can
+    exist. ddipp imports neither fastai.callback.progress nor schedule or training, which import it: that import adds
+    ProgressCallback to every new Learner's callbacks (fastai's defaults.callbacks), the user's import to make."""
+    found = sys.modules.get(module)
+    return tuple(getattr(found, name) for name in names) if found else ()
+
+
 def distributed_fit(learn):
     """The learner's DistributedCallback while a distributed fit runs (its model wrapped, its training loader sharded),
     else None: how other callbacks learn whether, and how, the fit they are in is distributed."""
@@ -356,7 +363,8 @@ class LRFinderBypassCallback(Callback):
 
     def before_fit(self) -> None:
         ddp = distributed_fit(self.learn)
-        if ddp is None or not isinstance(getattr(self.learn, "lr_finder", None), LRFinder):
+        if ddp is None or not isinstance(getattr(self.learn, "lr_finder", None),
+                                        imported("fastai.callback.schedule", "LRFinder")):
             return
         self.before_sweep = _state(self.learn)
         if self.mode == "solo" and ddp.rank == 0:
