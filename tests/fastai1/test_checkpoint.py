@@ -183,3 +183,5 @@ def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_a
     assert max_diff(params(killed), params(whole)) <= 1e-6
     assert close(history(killed), history(whole), tol=1e-6)
     check_restart_said(said, tmp_path / "models")
+    killed.fit(1, 1e-3, callbacks=[ddipp.Checkpoint(killed, "later")])  # the restarted group's next fit: no restart
+    assert "ddipp: restart" not in capsys.readouterr().out

@@ -29,6 +29,7 @@ from ddipp.core.rng import seed_all
 from conftest import check_restart_said, image_folder, launch_restartable, rank_files, tiny_cnn
 from extras import DieWriting, KillRank1, StopAt, ckpt_learner, launched, resume_story
 from compare import TOL, close, max_diff
+from dying_fit import DieAfterFit
 from fit_story import digits_dls, digits_learner, history, params
 
 
@@ -266,3 +267,13 @@ def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_a
     assert max_diff(params(killed), params(whole)) <= 1e-6
     assert close(history(killed), history(whole), tol=1e-6)
     check_restart_said(said, tmp_path / "models")
+    # on that restarted group, rank 1 dies once the next fit ended: the new group finds it ended, loads its end state
+    killed.fit(2, 1e-3, cbs=[ddipp.Checkpoint("ended"), DieAfterFit(tmp_path / "died")])
+    ended = torch.load(tmp_path / "models" / "ended.pth", weights_only=True)
+    assert killed.epoch == 1 and ended["epoch"] == 2  # fastai's last epoch, as after the fit
+    assert max_diff(params(killed), list(ended["model"].values())) == 0
+    killed.fit(1, 1e-3, cbs=ddipp.Checkpoint("later"))  # no restart: the group it runs on just ran a fit
+    said = capsys.readouterr().out
+    restarts = re.findall(r"ddipp: restart \d+: fit \d+ .*", said)
+    assert len(restarts) == 1 and restarts[0].endswith(f" had ended before the restart: the state it ended with "
+                                                       f"loaded from {tmp_path / 'models' / 'ended.pth'}")
