@@ -105,6 +105,7 @@ class ForkedWorker:
         self.server, self.request, self.conn, self.spawn = server, request, conn, spawn
         self.spawned: Optional[subprocess.Popen] = None
         self.cancelled = False  # killed before the server forked it
+        self.server_end: Optional[int] = None  # the server's exit code (negative: its signal) if the worker ended with it
 
     def _pid(self, timeout: float = 0.0) -> Optional[int]:
         """The worker's pid once forked or spawned (spawning it if the server ended first), waiting up to `timeout` s
@@ -135,8 +136,11 @@ class ForkedWorker:
             return self.server.exits.get(pid, -signal.SIGKILL)
         if pid is None:
             return None
+        if pid not in self.server.exits:
+            self.server.read()  # what the server said since: this worker's end, or its own
         if pid not in self.server.exits and not self.server.open and not _exists(pid):
             self.server.exits[pid] = 1  # ended with the server (it kills its workers), its code unknown
+            self.server_end = self.server.proc.returncode
         return self.server.exits.get(pid)
 
     def wait(self, timeout: Optional[float] = None) -> int:
@@ -171,11 +175,12 @@ def kill_group(pid: int) -> None:
 
 
 def _exists(pid: int) -> bool:
+    """Whether process `pid` runs: not a zombie, which a container's first process may never reap."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 _server: Optional[ForkServer] = None

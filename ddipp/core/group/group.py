@@ -141,10 +141,13 @@ class WorkerGroup:
         interrupted, self.trained, self.unanswered = False, None, set(range(len(self.conns)))
         self.fits += 1
         try:
-            for conn in self.conns:
-                send(conn, (SET_CONTEXT, os.getcwd(), sys.path))
-            data_bytes = self._keep_data(*data)
-            broadcast(self.conns, (FIT, self.data_digest, call, options, self.fits))
+            try:
+                for conn in self.conns:
+                    send(conn, (SET_CONTEXT, os.getcwd(), sys.path))
+                data_bytes = self._keep_data(*data)
+                broadcast(self.conns, (FIT, self.data_digest, call, options, self.fits))
+            except OSError as e:  # a worker died since group_for looked
+                raise self._death(self._dead_rank()) from e
             self.replies = {}
             try:
                 self._collect(DONE, on_event=mirror)
@@ -283,7 +286,20 @@ class WorkerGroup:
         late = min(rank for rank in range(len(self.conns)) if rank not in self.replies)
         return WorkerError(f"ddipp workers did not start within {START_TIMEOUT} s; {self._log_tail(late)}")
 
+    def _dead_rank(self) -> int:
+        """The first rank whose process ended (waiting up to 5 s for one: its connection failed first)."""
+        deadline = time.monotonic() + 5
+        while True:
+            dead = [rank for rank, proc in enumerate(self.procs) if proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                return dead[0] if dead else 0
+            wait(self.conns, timeout=0.1)  # a dead worker's connection reads as ended at once
+
     def _death(self, rank: int) -> WorkerDied:
+        return WorkerDied(f"{self.died(rank)}; {self._log_tail(rank)}")
+
+    def died(self, rank: int) -> str:
+        """How rank `rank`'s process ended, in words naming it: its signal or exit code."""
         proc = self.procs[rank]
         try:
             code = proc.wait(timeout=5)
@@ -291,11 +307,18 @@ class WorkerGroup:
             code = None
         how = ("closed its connection" if code is None else
                f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
-        return WorkerDied(f"ddipp worker rank {rank} (pid {proc.pid}, {self.devices[rank]}) {how}; "
-                          f"{self._log_tail(rank)}")
+        server = getattr(proc, "server_end", None)
+        if server is not None:
+            how = (f"ended with the kernel's fork server, which was killed by {signal.Signals(-server).name}"
+                   if server < 0 else f"ended with the kernel's fork server, which exited with code {server}")
+        return f"ddipp worker rank {rank} (pid {proc.pid}, {self.devices[rank]}) {how}"
 
     def _log_tail(self, rank: int, lines: int = 20) -> str:
-        text = (self.logs / f"rank{rank}.log").read_text(errors="replace").splitlines()[-lines:]
+        """The last `lines` lines rank `rank` wrote to its log, its blank lines at either end left out."""
+        try:
+            text = (self.logs / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-lines:]
+        except FileNotFoundError:
+            text = []
         return "its output ended with:\n" + "\n".join(text) if text else "it printed nothing"
 
     def stop(self) -> None:
@@ -366,6 +389,9 @@ def group_for(devices: Tuple[str, ...], timeout: float, fitting: str, after: Wor
     the restart of `after` if given (a group whose worker died); a group that no learner uses any more is stopped first
     if it holds one of these devices."""
     group = _groups.get(devices)
+    if group is not None and not group.alive:  # a worker died between fits (out of memory, a signal)
+        dead = next(rank for rank, proc in enumerate(group.procs) if proc.poll() is not None)
+        print(f"ddipp: {group.died(dead)} between fits; a new group starts", file=sys.stderr, flush=True)
     if group is not None and (not group.alive or (group.timeout, group.fitting) != (timeout, fitting)):
         group.stop()
         group = None

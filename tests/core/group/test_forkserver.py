@@ -4,12 +4,14 @@ imported what they need, report their deaths with their signal, and leave nothin
 that ended leaves the group to spawn its workers."""
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 
+import cloudpickle
 import numpy as np
 import psutil
 import pytest
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from ddipp.core.group import forkserver
 from ddipp.core.group.group import SpawnedWorker, WorkerError, _groups, group_for, shutdown
+from ddipp.core.group.wire import pickled_data
 from test_group import fit, summed
 
 CPU2 = ("cpu", "cpu")
@@ -144,3 +147,30 @@ def test_import_ddipp_in_a_kernel_starts_the_server_and_a_killed_kernel_leaves_n
     finally:
         kernel.kill()
         kernel.wait()
+
+
+@pytest.mark.slow  # starts a fork server and worker groups
+def test_a_worker_or_the_server_killed_between_fits_is_named_in_one_line_and_the_next_fit_runs_on_a_new_group(
+        server, capsys):
+    """The notebook idle (the OOM killer's moment): a send to the dead worker raised a bare BrokenPipeError."""
+    group = group_for(CPU2, 60, FITTING)
+    fit(group, drawn)
+    os.kill(group.procs[1].pid, signal.SIGKILL)
+    assert _all_end([group.procs[1].pid])
+    with pytest.raises(WorkerError, match=r"^ddipp worker rank 1 \(pid \d+, cpu\) was killed by SIGKILL; "):
+        group.fit(pickled_data(torch.arange(4.0), "data"), cloudpickle.dumps(drawn), {}, None)  # held since then
+    assert fit(group_for(CPU2, 60, FITTING), drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
+    os.kill(_groups[CPU2].procs[0].pid, signal.SIGKILL)
+    assert _all_end([_groups[CPU2].procs[0].pid])
+    assert fit(group_for(CPU2, 60, FITTING), drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
+    server.proc.kill()
+    server.proc.wait()
+    assert _all_end([proc.pid for proc in _groups[CPU2].procs])
+    group = group_for(CPU2, 60, FITTING)
+    assert fit(group, drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
+    assert all(isinstance(proc, SpawnedWorker) for proc in group.procs)
+    said = capsys.readouterr().err
+    assert re.search(r"^ddipp: ddipp worker rank 0 \(pid \d+, cpu\) was killed by SIGKILL between fits; a new group "
+                     r"starts$", said, re.M), said
+    assert re.search(r"^ddipp: ddipp worker rank 0 \(pid \d+, cpu\) ended with the kernel's fork server, which was "
+                     r"killed by SIGKILL between fits; a new group starts$", said, re.M), said

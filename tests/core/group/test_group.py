@@ -14,6 +14,7 @@ import time
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
+from types import SimpleNamespace
 
 import cloudpickle
 import psutil
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ddipp.core.group.group import START_TIMEOUT, WorkerError, _groups, group_for, shutdown
+from ddipp.core.group.group import START_TIMEOUT, WorkerError, WorkerGroup, _groups, group_for, shutdown
 from ddipp.core.group.wire import pickled_data
 from ddipp.core.store import loopback_listener, loopback_store
 
@@ -224,3 +225,12 @@ def test_a_notebook_killed_while_its_workers_start_leaves_none():
         for worker in workers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 worker.kill()
+
+
+def test_a_dead_workers_log_of_blank_lines_reads_as_nothing_printed(tmp_path):
+    """'its output ended with:' was followed by nothing when the log held only blank lines."""
+    group = SimpleNamespace(logs=tmp_path)
+    (tmp_path / "rank1.log").write_text("\n\n  \n")
+    assert WorkerGroup._log_tail(group, 1) == "it printed nothing"
+    (tmp_path / "rank1.log").write_text("\nKilled\n\n")
+    assert WorkerGroup._log_tail(group, 1) == "its output ended with:\nKilled"
