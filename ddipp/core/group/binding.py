@@ -58,11 +58,11 @@ def unbind(learn: Any) -> bool:
     return True
 
 
-def group_of(learn: Any, after: WorkerGroup = None) -> WorkerGroup:
-    """The running group of a bound learner (a new one if the last fit's failure stopped it, the restart of `after`
-    if given)."""
+def group_of(learn: Any, after: WorkerGroup = None, attempt: int = 0) -> WorkerGroup:
+    """The running group of a bound learner (a new one if the last fit's failure stopped it, the `attempt`-th restart
+    of `after`'s fit if given)."""
     binding = learn.ddp
-    group = group_for(binding.devices, binding.timeout, binding.fitting, after)
+    group = group_for(binding.devices, binding.timeout, binding.fitting, after, attempt)
     group.learners[id(learn)] = learn
     return group
 
@@ -92,7 +92,7 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
                 print(f"ddipp: {str(e).splitlines()[0]}\nddipp: restart {restarts} of {learn.ddp.restarts}: a new "
                       "group runs the fit again, from its Checkpoint if it has one", file=sys.stderr, flush=True)
                 failed = time.monotonic()
-                group = group_of(learn, after=group)
+                group = group_of(learn, after=group, attempt=restarts)
                 group.wait_ready()
                 lost += time.monotonic() - failed
                 continue

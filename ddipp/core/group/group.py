@@ -67,13 +67,14 @@ class SpawnedWorker(subprocess.Popen):
 class WorkerGroup:
     """One worker process per device ("cpu" for each CPU process), ranks in the order of `devices`, fitting with the
     adapter's module `fitting` (`adapter.Fitting`); `after`, a group whose worker died, is the one it replaces: its
-    workers are a restart of that group's (torch elastic's restart count, the same launch id and fit numbers, which a
-    Checkpoint's file names), so a fit resumes there."""
+    workers are the `attempt`-th restart of the fit that group ran (torch elastic's restart count, the same launch id
+    and fit numbers, which a Checkpoint's file names), so the fit resumes there."""
 
-    def __init__(self, devices: Tuple[str, ...], timeout: float, fitting: str, after: "WorkerGroup" = None):
+    def __init__(self, devices: Tuple[str, ...], timeout: float, fitting: str, after: "WorkerGroup" = None,
+                 attempt: int = 0):
         self.devices, self.timeout, self.fitting = devices, timeout, fitting
         self.launch_id = after.launch_id if after else uuid.uuid4().hex
-        self.attempt = after.attempt + 1 if after else 0
+        self.attempt = attempt
         self.fits = after.fits - 1 if after else 0  # the fits sent; a restart sends its group's last one again
         self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
         self.data_digest = None
@@ -92,10 +93,11 @@ class WorkerGroup:
         self.errors = {}  # rank -> (blame, error) of the ranks that failed, while `_collect` serves a command
         self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
         self.started, self.ready = time.monotonic(), False
-        envs = [worker_env(rank, devices, timeout, self.store.port, fitting, self.attempt)
-                for rank in range(len(devices))]
+        envs = (worker_env(rank, devices, timeout, self.store.port, fitting, self.attempt)
+                for rank in range(len(devices)))  # each made as its worker starts
         if len(devices) > 1:
-            print(f"ddipp: {ddist.cores_shared(len(devices), envs[0]['OMP_NUM_THREADS'])}", flush=True)
+            threads = worker_env(0, devices, timeout, self.store.port, fitting)["OMP_NUM_THREADS"]
+            print(f"ddipp: {ddist.cores_shared(len(devices), threads)}", flush=True)
         print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} in the background (the first fit waits "
               "for them)", flush=True)
         try:
@@ -384,10 +386,11 @@ def _remote_error(rank: int, pickled: Optional[bytes], remote_traceback: str) ->
 _groups: Dict[Tuple[str, ...], WorkerGroup] = {}
 
 
-def group_for(devices: Tuple[str, ...], timeout: float, fitting: str, after: WorkerGroup = None) -> WorkerGroup:
+def group_for(devices: Tuple[str, ...], timeout: float, fitting: str, after: WorkerGroup = None,
+              attempt: int = 0) -> WorkerGroup:
     """The running group on `devices`, started (or restarted with the new timeout or fitting module) when needed, as
-    the restart of `after` if given (a group whose worker died); a group that no learner uses any more is stopped first
-    if it holds one of these devices."""
+    the `attempt`-th restart of `after`'s fit if given (a group whose worker died); a group that no learner uses any
+    more is stopped first if it holds one of these devices."""
     group = _groups.get(devices)
     if group is not None and not group.alive:  # a worker died between fits (out of memory, a signal)
         dead = next(rank for rank, proc in enumerate(group.procs) if proc.poll() is not None)
@@ -401,7 +404,7 @@ def group_for(devices: Tuple[str, ...], timeout: float, fitting: str, after: Wor
             gc.collect()  # a dropped learner may wait in a reference cycle
         for idle in [g for g in overlapping if not g.learners]:
             idle.stop()  # no learner uses it any more (dropped without from_ddp): free its devices
-        group = _groups[devices] = WorkerGroup(devices, timeout, fitting, after)
+        group = _groups[devices] = WorkerGroup(devices, timeout, fitting, after, attempt)
     return group
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddipp.core.group import forkserver
+from ddipp.core.group import binding, forkserver
 from ddipp.core.group.group import SpawnedWorker, WorkerError, _groups, group_for, shutdown
 from ddipp.core.group.wire import pickled_data
 from test_group import fit, summed
@@ -174,3 +174,33 @@ def test_a_worker_or_the_server_killed_between_fits_is_named_in_one_line_and_the
                      r"starts$", said, re.M), said
     assert re.search(r"^ddipp: ddipp worker rank 0 \(pid \d+, cpu\) ended with the kernel's fork server, which was "
                      r"killed by SIGKILL between fits; a new group starts$", said, re.M), said
+
+
+class _Bound:
+    """A learner as far as ddipp.core.group.binding needs one: its data, and what bind sets on it."""
+    data = torch.arange(4.0)
+
+
+def _restart_count_after_death(marker: str):
+    """A fit whose rank 1 dies unless `marker` exists (it makes it first); rank 0 returns torch elastic's restart count
+    its process sees."""
+    def call(data, device):
+        if dist.get_rank() == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(data)
+        return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    return call
+
+
+@pytest.mark.slow  # starts a fork server and worker groups
+def test_each_fit_restarted_once_runs_its_restart_as_restart_1(server, tmp_path, capsys):
+    """A bound learner's second fit restarted once ran as torch elastic's restart 2 (the count climbed across fits)."""
+    learn, counts = _Bound(), []
+    binding.bind(learn, CPU2, 60, {}, binding.fit_on_group, FITTING, restarts=1)
+    for n in (1, 2):
+        call = cloudpickle.dumps(_restart_count_after_death(str(tmp_path / f"died{n}")))
+        learn.fit("data", lambda held: call, None, lambda results: counts.append(cloudpickle.loads(results[0])),
+                  kept=lambda: (0, 0))
+    assert counts == [1, 1]
+    assert capsys.readouterr().err.count("ddipp: restart 1 of 1: a new group runs the fit again") == 2
