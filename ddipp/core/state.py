@@ -1,5 +1,7 @@
-"""The one place that knows how a model's and an optimizer's state is read and written (DDP's wrapper today; FSDP's
-gathered state would go here). The adapters say where their fastai keeps the optimizer's state."""
+"""The one place that knows how a model's and an optimizer's state is read and written (DDP's and torch.compile's
+wrappers today; FSDP's gathered state would go here). The adapters say where their fastai keeps the optimizer's
+state."""
+import sys
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -8,12 +10,25 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside a DDP (or DataParallel) wrapper, or `model` itself."""
-    return model.module if isinstance(model, (DistributedDataParallel, DataParallel)) else model
+    """The model inside its DDP (or DataParallel) wrapper and torch.compile's, or `model` itself."""
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif _compiled(model):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether `model` is torch.compile's wrapper (no model is, before torch._dynamo is imported: 2 s not paid here)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 def model_state(model: nn.Module) -> dict:
-    """The state dict of `model`, wrapped or not (its keys without the wrapper's `module.`)."""
+    """The state dict of `model`, wrapped or not (its keys without the wrappers' `module.` and `_orig_mod.`): a
+    compiled model's loads into the plain model and back."""
     return unwrapped(model).state_dict()
 
 

@@ -15,6 +15,7 @@ from ..core import dist as ddist
 from ..core.ddp import check_matches_launch, check_options, notebook_devices
 from ..core.files import replacing, writing_as_rank_0
 from ..core.group.wire import BINDING_ATTRS
+from ..core.state import unwrapped
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 from .loaders import batch_size
 
@@ -80,23 +81,36 @@ to_ddp, from_ddp = Learner.to_ddp, Learner.from_ddp  # also ddipp.to_ddp(learn, 
 
 class AtomicSave:
     """`learn.save` of a learner under ddipp: fastai's own save (rank 0 writes a file; a buffer gets the bytes on every
-    rank), into a file that replaces the target only once it is whole (fastai writes in place: a crash mid-write would
-    leave neither the old model nor the new)."""
+    rank) of the plain model (a compiled one's keys without torch.compile's `_orig_mod.`: the file loads into the
+    uncompiled model), into a file that replaces the target only once it is whole (fastai writes in place: a crash
+    mid-write would leave neither the old model nor the new)."""
 
     def __init__(self, learn: Learner):
         self.learn = weakref.ref(learn)
 
     def __call__(self, file, **kwargs):
         learn = self.learn()
-        if not isinstance(file, (str, Path)):  # a buffer is this process's own: it gets the bytes on every rank
-            with writing_as_rank_0():
+        with _plain_model(learn):
+            if not isinstance(file, (str, Path)):  # a buffer is this process's own: it gets the bytes on every rank
+                with writing_as_rank_0():
+                    return type(learn).save(learn, file, **kwargs)
+            if rank_distrib():  # a rank that does not write
                 return type(learn).save(learn, file, **kwargs)
-        if rank_distrib():  # a rank that does not write
-            return type(learn).save(learn, file, **kwargs)
-        target = join_path_file(file, learn.path / learn.model_dir, ext=".pth")
-        with replacing(target) as f:
-            type(learn).save(learn, f, **kwargs)
-        return target
+            target = join_path_file(file, learn.path / learn.model_dir, ext=".pth")
+            with replacing(target) as f:
+                type(learn).save(learn, f, **kwargs)
+            return target
+
+
+@contextmanager
+def _plain_model(learn: Learner):
+    """The learner's model without its wrappers (DDP's, torch.compile's) for the block, then back."""
+    model = learn.model
+    learn.model = unwrapped(model)
+    try:
+        yield
+    finally:
+        learn.model = model
 
 
 class AtomicExport:

@@ -60,3 +60,25 @@ def test_optimizer_state_moves_to_its_parameters_device_but_its_scalar_steps_sta
     move_optimizer_state(opt.state)
     assert moved_to == [(param.device,)]
     assert type(state["exp_avg"]) is torch.Tensor and type(state["step"]) is Elsewhere
+
+
+def fresh() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+def test_a_compiled_models_state_reads_and_loads_as_the_plain_models_wrapped_or_not(tmp_path):
+    """torch.compile's wrapper adds `_orig_mod.` to every key: a checkpoint or a notebook's results of a compiled
+    model did not load into the plain model, nor the plain model's into a compiled one."""
+    model, _ = trained_adam()
+    compiled = torch.compile(model, backend="eager")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for wrapped in (compiled, DistributedDataParallel(compiled)):
+            assert list(model_state(wrapped)) == list(model.state_dict())
+        into_compiled, into_plain = fresh(), fresh()
+        load_model_state(DistributedDataParallel(torch.compile(into_compiled, backend="eager")), model_state(model))
+        load_model_state(into_plain, model_state(DistributedDataParallel(compiled)))
+    finally:
+        dist.destroy_process_group()
+    for loaded in (into_compiled, into_plain):
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))

@@ -82,7 +82,8 @@ class Worker:
 
     def serve(self) -> None:
         self.send((READY, os.getpid()))
-        threading.Thread(target=_import_what_ddp_imports, daemon=True, name="ddipp-warm-up").start()
+        self.warm_up = threading.Thread(target=_import_what_ddp_imports, daemon=True, name="ddipp-warm-up")
+        self.warm_up.start()
         while True:
             try:
                 command, *args = receive(self.conn)
@@ -108,6 +109,7 @@ class Worker:
     def fit(self, digest: str, call: bytes, options: dict, number: int) -> None:
         if digest != self.data_digest:
             raise RuntimeError(f"ddipp: rank {self.rank} holds data {self.data_digest}, not {digest}")
+        self.warm_up.join()  # a compiled model's unpickling imports torch._dynamo too: a second import saw it half-made
         dist.request_stop(False)  # an interrupt meant for an earlier fit
         resume.fit_sent(number)  # what a Checkpoint's file names this fit by
         try:
@@ -128,7 +130,7 @@ class Worker:
 
 def _import_what_ddp_imports() -> None:
     """Import, while the notebook's user works, what the first fit's DDP constructor would: torch._dynamo (about 900
-    modules, 1.5-2 s of a core), read for a setting whatever the model; a fit that comes sooner waits for it there."""
+    modules, 1.5-2 s of a core), read for a setting whatever the model; a fit that comes sooner waits for it first."""
     import torch._dynamo  # noqa: F401
 
 

@@ -1,5 +1,6 @@
-"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput}.py: plays extras.py's stories
-with batch 16 a rank under ddipp and saves what each rank saw in OUT/rank{r}.pt (stdout in OUT/stdout{r}.txt)."""
+"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,compile}.py: plays extras.py's
+stories (and compiled.py's) with batch 16 a rank under ddipp and saves what each rank saw in OUT/rank{r}.pt (stdout
+in OUT/stdout{r}.txt)."""
 import contextlib
 import os
 import sys
@@ -10,6 +11,7 @@ import torch
 torch.set_num_threads(1)
 
 import ddipp  # noqa: E402
+from compiled import compiled_story  # noqa: E402
 from extras import (digits_dls, digits_learner, moments_fit, pairs_dls, pairs_fit, pairs_learner,  # noqa: E402
                     params, resume_story, throughput_fit)
 
@@ -30,4 +32,5 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     learn = digits_learner(digits_dls(bs=16, shuffle=True)).to_ddp()
     learn.fit(2, 1e-2)
     res["no_throughput"] = params(learn)
+    res["compiled"] = compiled_story(out / "compiled", bs=16)
 torch.save(res, out / f"rank{rank}.pt")
