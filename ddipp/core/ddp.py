@@ -10,10 +10,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import dist as ddist
 from .dist import check_gpus
+from .group import forkserver
 from .sharding import part_sizes
 from .syncbn import convert_sync_bn
 
 LR_FIND_MODES = ("solo", "distributed")
+# the memory a notebook's CPU worker holds of its own before its first fit, measured with fastai v1 on torch 2.11:
+# forked from the kernel's fork server (its imports shared with it), and started as a fresh interpreter
+WORKER_MEMORY = {True: 20 << 20, False: 380 << 20}
 
 
 def check_options(lr_find_mode: str, timeout: float, split_batches: bool = False, restarts: int = 0) -> None:
@@ -74,6 +78,14 @@ def notebook_devices(gpus: Optional[Sequence[int]], nprocs: Optional[int]) -> Tu
     if nprocs is not None:
         if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"to_ddp(nprocs={nprocs!r}): nprocs is the number of CPU processes, a whole number >= 1")
+        forked = forkserver.server() is not None
+        available, each = _available_memory(), WORKER_MEMORY[forked]
+        most = max(1, available // each)
+        if nprocs > most:
+            raise ValueError(f"to_ddp(nprocs={nprocs}): this host has memory for at most {most} worker processes "
+                             f"({available / 2**30:.1f} GB available, about {each >> 20} MB a worker "
+                             f"{'forked from the kernel' if forked else 'started'} before its first fit): use "
+                             f"nprocs <= {most}")
         return ("cpu",) * nprocs
     if isinstance(gpus, int) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus) \
             or not gpus:
@@ -83,6 +95,12 @@ def notebook_devices(gpus: Optional[Sequence[int]], nprocs: Optional[int]) -> Tu
     except ValueError as e:
         raise ValueError(f"to_ddp(gpus={list(gpus)}): {e}") from None
     return tuple(f"cuda:{g}" for g in gpus)
+
+
+def _available_memory() -> int:
+    """The bytes of memory the host can give without swapping (Linux's MemAvailable)."""
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
 
 
 def say_global_batch(bs: Optional[int], processes: int, split_batches: bool) -> None:
