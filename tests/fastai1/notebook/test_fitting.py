@@ -16,6 +16,7 @@ from fastai.callbacks import (CSVLogger, EarlyStoppingCallback, LossMetrics, Ove
 from fastai.train import AccumulateScheduler, BnFreeze, GradientClipping, ShowGraph
 from torch import nn
 
+from ddipp import Checkpoint
 from ddipp.core.group.binding import FitOnGroup
 from ddipp.core.group.group import _groups
 from compare import TOL, close, max_diff
@@ -391,3 +392,20 @@ def test_a_callback_reads_the_models_attributes_through_the_ddp_wrapper_as_local
         learn.fit(1, 1e-2, callbacks=[callback])
         seen.append(callback.seen)
     assert seen[1] == seen[0] == ["digits"] * 44
+
+
+@pytest.mark.slow
+def test_a_compiled_models_fit_comes_back_and_its_checkpoint_loads_into_the_uncompiled_model(tmp_path):
+    """torch.compile's wrapper adds `_orig_mod.` to every key of its state; the Checkpoint's file keeps the plain
+    model's keys, and the weights that come back are one process's."""
+    local = digits_learner(digits_data(tmp_path / "one", bs=32))
+    local.fit(2, 1e-2)
+    compiled = digits_learner(digits_data(tmp_path / "nb", bs=16))
+    compiled.model = torch.compile(compiled.model, backend="eager")  # the wrapper and its keys, without a compiler
+    compiled.to_ddp(nprocs=2)
+    compiled.fit(2, 1e-2, callbacks=[Checkpoint(compiled)])
+    assert max_diff(params(compiled), params(local)) <= TOL
+    saved = torch.load(compiled.path / compiled.model_dir / "checkpoint.pth", weights_only=True)["model"]
+    plain = digits_learner(digits_data(tmp_path / "plain", bs=32))
+    plain.model.load_state_dict(saved)
+    assert max_diff(params(plain), params(compiled)) == 0
