@@ -1,5 +1,5 @@
-"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,compile}.py: plays extras.py's
-stories (and compiled.py's) with batch 16 a rank under ddipp and saves what each rank saw in OUT/rank{r}.pt (stdout
+"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,wrapped_model}.py: plays extras.py's
+stories (and wrapped_model.py's) with batch 16 a rank under ddipp and saves what each rank saw in OUT/rank{r}.pt (stdout
 in OUT/stdout{r}.txt)."""
 import contextlib
 import os
@@ -11,7 +11,7 @@ import torch
 torch.set_num_threads(1)
 
 import ddipp  # noqa: E402
-from compiled import compiled_story  # noqa: E402
+from wrapped_model import compiled_story  # noqa: E402
 from extras import (digits_dls, digits_learner, moments_fit, pairs_dls, pairs_fit, pairs_learner,  # noqa: E402
                     params, resume_story, throughput_fit)
 
