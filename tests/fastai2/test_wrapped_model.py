@@ -17,7 +17,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_launched_a_callback_reads_the_wrapped_model_and_a_compiled_models_state_loads_uncompiled_and_back(ranks, tmp_path):
+def test_launched_a_callback_reads_the_wrapped_model_and_a_compiled_state_loads_uncompiled_and_back(ranks, tmp_path):
     """torch.compile's wrapper adds `_orig_mod.` to every key of its state: the checkpoint of a compiled fit did not
     resume the uncompiled model (Missing key(s) in state_dict: "0.weight" ...), nor its learn.save load into it."""
     (rank0, rank1), out = ranks
