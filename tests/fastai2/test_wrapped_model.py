@@ -2,7 +2,6 @@
 run): a callback reads its attributes, its Checkpoint resumes the uncompiled model and back, its learn.save loads into
 the uncompiled model, and it trains as one process does."""
 import pytest
-import torch
 from fastai.torch_core import trainable_params
 
 from compare import TOL, max_diff
