@@ -80,23 +80,25 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
     resumes it), up to the binding's `restarts` times."""
     group, restarts, lost, data = group_of(learn), 0, 0.0, None
     generator = torch.get_rng_state()  # what the call draws its seed from: a restart draws the same
+    earlier, died = None, None  # what rank 0 trained before the last restart (if it lived to send it), and why
     while True:
         try:
+            if died is not None:  # here, where an interrupt still keeps what was trained
+                print(f"ddipp: {str(died).splitlines()[0]}\nddipp: restart {restarts} of {learn.ddp.restarts}: a new "
+                      "group runs the fit again, from its Checkpoint if it has one", file=sys.stderr, flush=True)
+                failed, died = time.monotonic(), None
+                group = group_of(learn, after=group, attempt=restarts)
+                group.wait_ready()
+                lost += time.monotonic() - failed
             torch.set_rng_state(generator)
             data = data or pickled_data(getattr(learn, data_attr), f"learn.{data_attr}")  # while workers start
             results, interrupted = group.fit(data, call(group.held), learn.ddp.options, mirror)
             break
         except BaseException as e:
             if isinstance(e, WorkerDied) and restarts < learn.ddp.restarts:
-                restarts += 1
-                print(f"ddipp: {str(e).splitlines()[0]}\nddipp: restart {restarts} of {learn.ddp.restarts}: a new "
-                      "group runs the fit again, from its Checkpoint if it has one", file=sys.stderr, flush=True)
-                failed = time.monotonic()
-                group = group_of(learn, after=group, attempt=restarts)
-                group.wait_ready()
-                lost += time.monotonic() - failed
+                restarts, earlier, died = restarts + 1, group.trained or earlier, e
                 continue
-            _failed(group, apply_results, kept, untrained)
+            _failed(group, apply_results, kept, untrained, earlier)
             raise
     apply_results(results)
     if restarts:
@@ -107,11 +109,18 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
 
 
 def _failed(group: WorkerGroup, apply_results: Callable[[List[bytes]], None], kept: Callable[[], Tuple[int, int]],
-            untrained: Callable[[], None]) -> None:
-    """After a failed fit: the learner keeps what rank 0 trained, said, or is left as it was."""
+            untrained: Callable[[], None], earlier: Optional[List[bytes]] = None) -> None:
+    """After a failed fit: the learner keeps what rank 0 trained, said, else what it trained before the last restart
+    (`earlier`: the restart failed or was interrupted before training anything), or is left as it was."""
     if group.trained is not None:
         apply_results(group.trained)
         group.say_kept(*kept())
+        return
+    if earlier is not None:
+        apply_results(earlier)
+        epoch, steps = kept()
+        print(f"ddipp: the restarted fit did not train; the learner keeps what rank 0 trained before the restart, up "
+              f"to its last completed step (step {steps} of the fit, in epoch {epoch})", file=sys.stderr)
         return
     print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
     untrained()

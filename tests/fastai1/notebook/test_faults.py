@@ -22,7 +22,8 @@ from fastai.basic_train import LearnerCallback
 from fastai.callbacks import SaveModelCallback
 
 import ddipp
-from ddipp.core.group import forkserver
+from ddipp.core.group import binding, forkserver
+from ddipp.core.group.binding import group_of
 from ddipp.core.group.group import WorkerError, _groups
 from compare import TOL, close, max_diff
 from scenario import digits_data, digits_learner, history, params
@@ -315,3 +316,32 @@ def test_an_interrupt_keeps_what_was_trained_a_stuck_group_is_killed_and_a_kille
     finally:
         proc.kill()
         proc.wait()
+
+
+def _interrupt(*args):
+    raise KeyboardInterrupt  # as the kernel's stop button does there
+
+
+@pytest.mark.parametrize("moment", ["at the restart line", "as the new group starts"])
+def test_an_interrupt_as_a_restart_begins_keeps_what_rank0_trained_before_it(tmp_path, capsys, monkeypatch, moment):
+    """Stopped at 'ddipp: restart 1 of 1', the learner went back to its weights of before the fit."""
+    learn = digits_learner(digits_data(tmp_path / "nb", bs=16)).to_ddp(nprocs=2, restarts=1)
+    before = params(learn)
+
+    def interrupted_restart(learn, after=None, attempt=0):
+        if attempt and moment == "at the restart line":
+            _interrupt()
+        group = group_of(learn, after, attempt)
+        if attempt:
+            monkeypatch.setattr(group, "wait_ready", _interrupt)
+        return group
+    monkeypatch.setattr(binding, "group_of", interrupted_restart)
+    with pytest.raises(KeyboardInterrupt):
+        learn.fit(2, 1e-2, callbacks=[DieOnRank1(learn)])
+    local = digits_learner(digits_data(tmp_path / "one", bs=32))
+    with pytest.raises(ValueError):
+        local.fit(2, 1e-2, callbacks=[_RaiseAfterStep(local, 3)])
+    assert max_diff(params(learn), before) > 0 and max_diff(params(learn), params(local)) <= TOL
+    said = capsys.readouterr().err
+    assert len(learn.recorder.losses) == 4 and "ddipp: restart 1 of 1" in said
+    assert "the learner keeps what rank 0 trained" in said and "to its last completed step (step 4 of the fit, in epoch 0)" in said
