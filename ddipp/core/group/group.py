@@ -80,10 +80,6 @@ class WorkerGroup:
         self.data_digest = None
         self.held = frozenset()  # digests of the tensors every worker kept from the last fit (the call names them)
         self.last_sent = {}  # bytes the last fit sent: "data", "call" (written once for all ranks), "results" (back)
-        sweep_stale_dirs(Path(tempfile.gettempdir()), LOGS_KIND)  # left by notebooks that were killed
-        self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
-        self.store = loopback_store(loopback_listener(), timedelta(seconds=START_TIMEOUT))
-        self.store.set(ddist.LAUNCH_ID_KEY, self.launch_id)  # what every worker's dist.launch_id() reads
         self.procs: List[Union[SpawnedWorker, forkserver.ForkedWorker]] = []
         self.conns: List[Connection] = []
         self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
@@ -93,16 +89,18 @@ class WorkerGroup:
         self.errors = {}  # rank -> (blame, error) of the ranks that failed, while `_collect` serves a command
         self.receiving = False  # True while a message is being read: an interrupt there leaves half of it
         self.started, self.ready = time.monotonic(), False
-        envs = (worker_env(rank, devices, timeout, self.store.port, fitting, self.attempt)
-                for rank in range(len(devices)))  # each made as its worker starts
-        if len(devices) > 1:
-            threads = worker_env(0, devices, timeout, self.store.port, fitting)["OMP_NUM_THREADS"]
-            print(f"ddipp: {ddist.cores_shared(len(devices), threads)}", flush=True)
-        print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} in the background (the first fit waits "
-              "for them)", flush=True)
-        try:
-            for rank, env in enumerate(envs):
-                self._spawn(rank, env)
+        sweep_stale_dirs(Path(tempfile.gettempdir()), LOGS_KIND)  # left by notebooks that were killed
+        self.logs = Path(tempfile.mkdtemp(prefix=owned_dir_prefix(LOGS_KIND)))
+        try:  # an interrupt from here on (a restart's group starting) leaves neither workers nor their logs
+            self.store = loopback_store(loopback_listener(), timedelta(seconds=START_TIMEOUT))
+            self.store.set(ddist.LAUNCH_ID_KEY, self.launch_id)  # what every worker's dist.launch_id() reads
+            if len(devices) > 1:
+                threads = worker_env(0, devices, timeout, self.store.port, fitting)["OMP_NUM_THREADS"]
+                print(f"ddipp: {ddist.cores_shared(len(devices), threads)}", flush=True)
+            print(f"ddipp: starting {len(devices)} workers on {', '.join(devices)} in the background (the first fit "
+                  "waits for them)", flush=True)
+            for rank in range(len(devices)):  # each environment made as its worker starts
+                self._spawn(rank, worker_env(rank, devices, timeout, self.store.port, fitting, self.attempt))
         except BaseException:
             self.kill()
             raise

@@ -234,3 +234,15 @@ def test_a_dead_workers_log_of_blank_lines_reads_as_nothing_printed(tmp_path):
     assert WorkerGroup._log_tail(group, 1) == "it printed nothing"
     (tmp_path / "rank1.log").write_text("\nKilled\n\n")
     assert WorkerGroup._log_tail(group, 1) == "its output ended with:\nKilled"
+
+
+def test_a_group_interrupted_as_it_starts_leaves_no_logs_folder(monkeypatch):
+    """Interrupted before its workers started (a restart's group, stopped at 'ddipp: restart 1 of 1'), the group's logs
+    folder stayed in the temp folder after the kernel ended: nothing knew the group."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("ddipp.core.group.group.loopback_listener", interrupted)
+    before = set(Path(tempfile.gettempdir()).glob(f"ddipp-workers-{os.getpid()}-*"))
+    with pytest.raises(KeyboardInterrupt):
+        group_for(CPU2, 60, FITTING)
+    assert set(Path(tempfile.gettempdir()).glob(f"ddipp-workers-{os.getpid()}-*")) == before and CPU2 not in _groups
