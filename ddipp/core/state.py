@@ -3,6 +3,8 @@ wrappers today; FSDP's gathered state would go here). The adapters say where the
 state."""
 import sys
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +32,18 @@ def model_state(model: nn.Module) -> dict:
     """The state dict of `model`, wrapped or not (its keys without the wrappers' `module.` and `_orig_mod.`): a
     compiled model's loads into the plain model and back."""
     return unwrapped(model).state_dict()
+
+
+@contextmanager
+def plain_model(learn: Any):
+    """The learner's model without its wrappers (DDP's, torch.compile's) for the block, then back: what fastai's own
+    save writes of it then loads into the plain model."""
+    model = learn.model
+    learn.model = unwrapped(model)
+    try:
+        yield
+    finally:
+        learn.model = model
 
 
 def load_model_state(model: nn.Module, state: dict) -> None:

@@ -15,6 +15,7 @@ from ..core import dist as ddist
 from ..core.resume import restart_count
 from ..core.ddp import check_matches_launch, check_options, notebook_devices
 from ..core.files import replacing, writing_as_rank_0
+from ..core.state import plain_model
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
 from .checkpoint import Checkpoint
 from .loaders import lm_eval_loader
@@ -64,15 +65,17 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
 def _save(self, file=None, return_path: bool = False, with_opt: bool = True):
     # A file replaces the target only once it is whole (fastai writes in place: a crash mid-write would leave neither
     # the old model nor the new); rank 0 alone writes it. A buffer is this process's own: it gets the bytes anywhere.
-    if not is_pathlike(file):
-        with writing_as_rank_0():
-            return type(self).save(self, file, return_path, with_opt)
-    if rank_distrib():
-        return type(self).save(self, file, return_path, with_opt)  # fastai's own: writes nothing here
-    target = self.path / self.model_dir / f"{file}.pth"
-    with replacing(target) as f:
-        type(self).save(self, f, with_opt=with_opt)
-    return target if return_path else None
+    # A compiled model's file holds the plain model's keys (without torch.compile's `_orig_mod.`).
+    with plain_model(self):
+        if not is_pathlike(file):
+            with writing_as_rank_0():
+                return type(self).save(self, file, return_path, with_opt)
+        if rank_distrib():
+            return type(self).save(self, file, return_path, with_opt)  # fastai's own: writes nothing here
+        target = self.path / self.model_dir / f"{file}.pth"
+        with replacing(target) as f:
+            type(self).save(self, f, with_opt=with_opt)
+        return target if return_path else None
 
 
 @wraps(Learner.export)

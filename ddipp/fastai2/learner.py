@@ -15,7 +15,7 @@ from ..core import dist as ddist
 from ..core.ddp import check_matches_launch, check_options, notebook_devices
 from ..core.files import replacing, writing_as_rank_0
 from ..core.group.wire import BINDING_ATTRS
-from ..core.state import unwrapped
+from ..core.state import plain_model
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 from .loaders import batch_size
 
@@ -90,7 +90,7 @@ class AtomicSave:
 
     def __call__(self, file, **kwargs):
         learn = self.learn()
-        with _plain_model(learn):
+        with plain_model(learn):
             if not isinstance(file, (str, Path)):  # a buffer is this process's own: it gets the bytes on every rank
                 with writing_as_rank_0():
                     return type(learn).save(learn, file, **kwargs)
@@ -100,17 +100,6 @@ class AtomicSave:
             with replacing(target) as f:
                 type(learn).save(learn, f, **kwargs)
             return target
-
-
-@contextmanager
-def _plain_model(learn: Learner):
-    """The learner's model without its wrappers (DDP's, torch.compile's) for the block, then back."""
-    model = learn.model
-    learn.model = unwrapped(model)
-    try:
-        yield
-    finally:
-        learn.model = model
 
 
 class AtomicExport:

@@ -116,6 +116,19 @@ def test_a_launched_learners_save_replaces_its_file_only_once_whole(learn, monke
     assert "save" not in vars(learn)
 
 
+def test_a_launched_learners_save_of_a_compiled_model_loads_into_the_plain_model(learn, monkeypatch):
+    monkeypatch.setattr(ddipp.core.dist, "launched", lambda: True)
+    monkeypatch.setattr(ddipp.core.dist, "init", lambda: True)
+    plain = learn.model
+    learn.model = torch.compile(plain, backend="eager")
+    learn.to_ddp()
+    path = learn.save("compiled", return_path=True, with_opt=False)
+    assert learn.model is not plain  # still the compiled model after the save
+    fresh = torch.nn.Linear(2, 1)
+    fresh.load_state_dict(torch.load(path))  # fastai's own save writes "_orig_mod.weight"
+    assert torch.equal(fresh.weight, plain.weight)
+
+
 @pytest.mark.slow
 def test_a_launched_learners_validate_save_and_export_are_fastais_bound_methods(ranks, learn):
     plain = {name: method_facts(getattr(learn, name)) for name in ("validate", "save", "export")}
