@@ -119,7 +119,8 @@ def say_global_batch(bs: Optional[int], processes: int, split_batches: bool) -> 
 class ModelDDP(DistributedDataParallel):
     """DDP whose attributes it lacks are the wrapped model's, read and written through it, as callbacks use
     `learn.model`: fastai's RNN trainers call `reset()`, its tests read `learn.model.tst`, a custom head or a timm
-    model its own attributes. DDP's own attributes stay its own (a write reaches the model only after construction)."""
+    model its own attributes, callbacks index it (`learn.model[0]`). DDP's own attributes stay its own (a write
+    reaches the model only after construction)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -132,6 +133,13 @@ class ModelDDP(DistributedDataParallel):
             if name == "module" or "module" not in self.__dict__.get("_modules", {}):
                 raise
             return getattr(self.module, name)
+
+    def __getitem__(self, index):
+        """`learn.model[0]` (a cnn_learner's body, a hook's layer) of an indexable model such as nn.Sequential."""
+        module = self.module
+        if not hasattr(type(module), "__getitem__"):
+            raise TypeError(f"'{type(module).__name__}' object is not subscriptable")
+        return module[index]
 
     def __setattr__(self, name: str, value) -> None:
         if self.__dict__.get("_built") and not _has_own(self, name) and hasattr(self.module, name):

@@ -41,3 +41,18 @@ def test_what_the_ddp_wrapper_lacks_reads_and_writes_through_to_the_model(tmp_pa
                 wrapped.missing
     finally:
         dist.destroy_process_group()
+
+
+def test_indexing_the_wrapped_model_indexes_the_model(tmp_path):
+    """fastai's callbacks and hooks index the model (`learn.model[0]`, a cnn_learner's body); DDP is not indexable."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with ExitStack() as undo:
+            wrapped = wrap(model, undo, sync_bn=False, find_unused_parameters=None)
+            assert wrapped[0] is model[0] and list(wrapped[1:]) == list(model[1:]) and bool(wrapped)
+        with ExitStack() as undo:
+            with pytest.raises(TypeError, match="'Linear' object is not subscriptable"):
+                wrap(nn.Linear(2, 1), undo, sync_bn=False, find_unused_parameters=None)[0]
+    finally:
+        dist.destroy_process_group()
