@@ -1,6 +1,6 @@
 """What both adapters' Checkpoint callbacks do alike: write a state keeping the files before it if asked, read back the
-state rank 0 wrote (checked against the fit's `start_epoch`; after a restart, the newest kept file that reads back), and
-go on from a batch in the middle of an epoch."""
+state rank 0 wrote (checked against the fit's `start_epoch`; after a restart, the newest kept file that reads back;
+after a notebook's fit failed, the file of that fit), and go on from a batch in the middle of an epoch."""
 import os
 import re
 import zipfile
@@ -101,6 +101,20 @@ def restart_state(path: Path, keep: int) -> Tuple[Optional[dict], Path, Optional
         except DamagedCheckpoint as e:
             damaged.append(str(e))
     return None, path, "; ".join(damaged) or None
+
+
+def fit_checkpoint(path: Path, keep: int, fit: dict, after_steps: int) -> Optional[Tuple[dict, Path]]:
+    """After a notebook's fit failed: the state of the newest of `path` and the files kept before it that reads back,
+    and its file, if it holds the fit `fit` (next_fit's run_id and fit number) past `after_steps` training steps."""
+    state, file, _ = restart_state(path, keep)
+    if state is None or (state.get("run_id"), state.get("fit")) != (fit["run_id"], fit["fit"]):
+        return None
+    return (state, file) if steps(state) > after_steps else None
+
+
+def steps(state: dict) -> int:
+    """The training steps of its fit that a Checkpoint's state holds (its recorder's losses: one a step)."""
+    return len(state.get("recorder", {}).get("losses", []))
 
 
 def read_checkpoint(path: Path, start_epoch: int) -> dict:

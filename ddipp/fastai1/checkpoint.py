@@ -1,5 +1,6 @@
 """Checkpoint: a fit that can be resumed where it stopped, with the same result as if it had not stopped."""
 from pathlib import Path
+from typing import List, Optional, Tuple
 
 from fastai.basic_train import Learner, LearnerCallback, Recorder
 from fastai.callback import Callback
@@ -8,8 +9,8 @@ from fastai.train import AccumulateScheduler
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, read_checkpoint, restart_state,
-                               write_checkpoint)
+from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, fit_checkpoint, read_checkpoint,
+                               restart_state, write_checkpoint)
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit
@@ -62,8 +63,6 @@ class Checkpoint(LearnerCallback):
             recorder.losses, recorder.val_losses, recorder.lrs, recorder.moms, recorder.metrics = [], [], [], [], []
             recorder.nb_batches = []
         if finished:  # the state it ended with, into the optimizer the fit would have made
-            if getattr(self.learn, "opt", None) is None:
-                self.learn.create_opt(defaults.lr, self.learn.wd)
             self._load(self.saved)
         self.on_train_end()
         return True
@@ -151,8 +150,7 @@ class Checkpoint(LearnerCallback):
             raise ValueError(f"{self.path} holds the state after {resume.progress(state['epoch'], state['step'])}: a "
                              "learner made with to_ddp() resumes it in the middle of an epoch (its fit steps the "
                              "schedules past the batches before it)")
-        load_model_state(self.learn.model, state["model"])
-        load_opt_state_dict(self.learn, state["opt"])
+        _put_trained(self.learn, state)
         rngs = this_rank(state["rngs"], self.path)
         if state.get("step"):  # written mid-epoch: on_epoch_begin starts that epoch as it started, at batch `step`
             self.from_batch = state["step"]
@@ -161,8 +159,6 @@ class Checkpoint(LearnerCallback):
             set_rng_state(rngs[0])
         if state["shuffle_seed"] is not None and self._sampler_seed() is not None:
             distributed_fit(self.learn).train_sampler.seed = state["shuffle_seed"]
-        for name, recorded in state.get("recorder", {}).items():  # the epochs before this one, once each
-            setattr(self.learn.recorder, name, list(recorded))
         ddp = distributed_fit(self.learn)
         if ddp is not None and state.get("smoothed") and state["smoothed"][0]:  # the smoothed loss goes on as it was
             ddp.smoother.n, ddp.smoother.mov_avg = state["smoothed"]
@@ -177,6 +173,30 @@ class Checkpoint(LearnerCallback):
         """The seed ddipp shuffles this fit's training order with, when the fit is distributed."""
         ddp = distributed_fit(self.learn)
         return ddp.train_sampler.seed if ddp is not None else None
+
+
+def _put_trained(learn: Learner, state: dict) -> None:
+    """What a Checkpoint's `state` holds of the training into `learn`: the model, the optimizer (made if the learner
+    has none yet), the recorder (the epochs before the file's, once each)."""
+    load_model_state(learn.model, state["model"])
+    if getattr(learn, "opt", None) is None:
+        learn.create_opt(defaults.lr, learn.wd)
+    load_opt_state_dict(learn, state["opt"])
+    for name, recorded in state.get("recorder", {}).items():
+        setattr(learn.recorder, name, list(recorded))
+
+
+def from_checkpoint(learn: Learner, callbacks: List[Callback], fit: dict, after_steps: int
+                    ) -> Optional[Tuple[dict, Path]]:
+    """In the notebook, after the fit `fit` failed: the state of its Checkpoint's file (one of `callbacks`) put on
+    `learn` (which has a recorder) if the file holds that fit past `after_steps` steps
+    (ddipp.core.checkpoint.fit_checkpoint), and the file."""
+    for cb in callbacks:
+        found = isinstance(cb, Checkpoint) and fit_checkpoint(cb.path, cb.keep, fit, after_steps)
+        if found:
+            _put_trained(learn, found[0])
+            return found
+    return None
 
 
 def _recorded(recorder) -> dict:

@@ -2,6 +2,7 @@
 import copy
 import random
 from pathlib import Path
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -12,8 +13,8 @@ from fastcore.foundation import L
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, read_checkpoint, restart_state,
-                               write_checkpoint)
+from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, fit_checkpoint, read_checkpoint,
+                               restart_state, write_checkpoint)
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import load_model_state, model_state
 from .callbacks import distributed_fit, imported
@@ -42,7 +43,10 @@ class Checkpoint(Callback):
 
     @property
     def file(self) -> Path:
-        return Path(self.learn.path) / self.learn.model_dir / self.file_name
+        return self.file_of(self.learn)
+
+    def file_of(self, learn) -> Path:
+        return Path(learn.path) / learn.model_dir / self.file_name
 
     def before_fit(self):
         # not in validate() and get_preds() (they run before_fit too, under fastai's no_mbar), nor in lr_find's sweep
@@ -140,14 +144,7 @@ class Checkpoint(Callback):
     def _load(self, state=None):
         """The state the file holds (or `state`, read already) into the learner, its optimizer, generators, recorder."""
         state = read_checkpoint(self.file, self.epoch) if state is None else state
-        load_model_state(self.learn.model, state["model"])
-        opt = to_device(state["opt"], next(self.learn.model.parameters()).device)  # on the parameters' device
-        load_opt_state_dict(self.learn, dict(opt, hypers=L(opt["hypers"])))
-        self.learn.train_iter = state["train_iter"]
-        recorder = self.learn.recorder
-        recorder.smooth_loss.count, recorder.smooth_loss.val = state["smooth_loss"]
-        for name, recorded in state.get("recorder", {}).items():  # the epochs before this one, once each
-            setattr(recorder, name, list(recorded))
+        _put_trained(self.learn, state)
         rngs = this_rank(state["rngs"], self.file)
         if state.get("step"):  # written mid-epoch: the epoch starts as it started, and goes on at its batch `step`
             self.from_batch, self.from_pct, self.step_rngs = state["step"], state["pct_train"], rngs
@@ -162,6 +159,32 @@ class Checkpoint(Callback):
         """The seed ddipp draws this fit's training order with, when the fit is distributed."""
         ddp = distributed_fit(self.learn)
         return ddp.shard.order.seed if ddp is not None else None
+
+
+def _put_trained(learn, state: dict) -> None:
+    """What a Checkpoint's `state` holds of the training into `learn`: the model, the optimizer, the training iteration,
+    the recorder (the epochs before the file's, once each)."""
+    load_model_state(learn.model, state["model"])
+    opt = to_device(state["opt"], next(learn.model.parameters()).device)  # on the parameters' device
+    load_opt_state_dict(learn, dict(opt, hypers=L(opt["hypers"])))
+    learn.train_iter = state["train_iter"]
+    recorder = learn.recorder
+    recorder.smooth_loss.count, recorder.smooth_loss.val = state["smooth_loss"]
+    for name, recorded in state.get("recorder", {}).items():
+        setattr(recorder, name, list(recorded))
+
+
+def from_checkpoint(learn, callbacks: List[Callback], fit: dict, after_steps: int) -> Optional[Tuple[dict, Path]]:
+    """In the notebook, after the fit `fit` failed: the state of its Checkpoint's file (one of `callbacks`) put on
+    `learn` if the file holds that fit past `after_steps` steps (ddipp.core.checkpoint.fit_checkpoint), and the file."""
+    for cb in callbacks:
+        found = isinstance(cb, Checkpoint) and fit_checkpoint(cb.file_of(learn), cb.keep, fit, after_steps)
+        if found:
+            if learn.opt is None:  # a learner's first fit makes its optimizer
+                learn.create_opt()
+            _put_trained(learn, found[0])
+            return found
+    return None
 
 
 def _lrs(learn) -> list:

@@ -3,11 +3,14 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 
 import torch
 
+from ..checkpoint import steps as checkpoint_steps
 from ..ddp import say_global_batch
+from ..resume import progress
 from .group import WorkerDied, WorkerGroup, _groups, group_for
 from .wire import pickled_data
 
@@ -70,15 +73,18 @@ def group_of(learn: Any, after: WorkerGroup = None, attempt: int = 0) -> WorkerG
 
 def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], bytes], mirror: Any,
                  apply_results: Callable[[List[bytes]], None], kept: Callable[[], Tuple[int, int]],
-                 untrained: Callable[[], None] = lambda: None) -> None:
+                 untrained: Callable[[], None] = lambda: None,
+                 from_checkpoint: Callable[[dict, int], Optional[Tuple[dict, Path]]] = lambda fit, after: None) -> None:
     """Run a bound learner's fit of its data (its attribute `data_attr`) on its group: the `call` made for the tensors
     the workers hold, its progress shown by `mirror`; then `apply_results` puts rank 0's results on the learner, as a
     local fit would leave it. A failed fit keeps what was trained up to the failure (`kept()`: its epoch and step,
-    said) or, if nothing was, leaves the learner as it was (`untrained()` then does what a local fit that failed
-    would); an interrupted one raises KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit. A fit
-    whose worker died runs again on a new group, the restart of the last, with the same seed (a Checkpoint in the fit
-    resumes it), up to the binding's `restarts` times."""
+    said), or its Checkpoint's file where that is newer (`from_checkpoint`, `_failed`), or, if nothing was, leaves the
+    learner as it was (`untrained()` then does what a local fit that failed would); an interrupted one raises
+    KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit. A fit whose worker died runs again on
+    a new group, the restart of the last, with the same seed (a Checkpoint in the fit resumes it), up to the binding's
+    `restarts` times."""
     group, restarts, lost, data = group_of(learn), 0, 0.0, None
+    fit = dict(run_id=group.launch_id, fit=group.fits + 1)  # what its Checkpoint's file names it by, in every restart
     generator = torch.get_rng_state()  # what the call draws its seed from: a restart draws the same
     earlier, died = None, None  # what rank 0 trained before the last restart (if it lived to send it), and why
     while True:
@@ -98,7 +104,8 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
             if isinstance(e, WorkerDied) and restarts < learn.ddp.restarts:
                 restarts, earlier, died = restarts + 1, group.trained or earlier, e
                 continue
-            _failed(group, apply_results, kept, untrained, earlier)
+            _failed(group, apply_results, kept, untrained, earlier, lambda after: from_checkpoint(fit, after),
+                    restarts > 0)
             raise
     apply_results(results)
     if restarts:
@@ -109,21 +116,36 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
 
 
 def _failed(group: WorkerGroup, apply_results: Callable[[List[bytes]], None], kept: Callable[[], Tuple[int, int]],
-            untrained: Callable[[], None], earlier: Optional[List[bytes]] = None) -> None:
-    """After a failed fit: the learner keeps what rank 0 trained, said, else what it trained before the last restart
-    (`earlier`: the restart failed or was interrupted before training anything), or is left as it was."""
-    if group.trained is not None:
-        apply_results(group.trained)
-        group.say_kept(*kept())
-        return
-    if earlier is not None:
-        apply_results(earlier)
+            untrained: Callable[[], None], earlier: Optional[List[bytes]],
+            from_checkpoint: Callable[[int], Optional[Tuple[dict, Path]]], restarted: bool) -> None:
+    """After a failed fit: the learner keeps the newest of what rank 0 trained (else what it trained before the last
+    restart, `earlier`: the restart failed or was interrupted before training anything) and the fit's Checkpoint file
+    (`from_checkpoint(after)` puts it on the learner if it holds more than `after` steps), said, or is left as it
+    was."""
+    results, steps = (group.trained if group.trained is not None else earlier), -1
+    if results is not None:
+        apply_results(results)
         epoch, steps = kept()
+        if group.trained is not None and not restarted:  # rank 0 wrote every file of this fit, after steps it holds
+            group.say_kept(epoch, steps)
+            return
+    found = from_checkpoint(steps)
+    if found is not None:
+        state, file = found
+        print(f"ddipp: the learner keeps the state of the fit's Checkpoint file {file}, written after "
+              f"{progress(state['epoch'], state.get('step', 0))} (step {checkpoint_steps(state)} of the fit): "
+              + ("rank 0 sent nothing back" if results is None else
+                 f"newer than what rank 0 trained{' before the restart' if group.trained is None else ''} "
+                 f"(step {steps})"), file=sys.stderr)
+    elif group.trained is not None:
+        group.say_kept(epoch, steps)
+    elif earlier is not None:
         print(f"ddipp: the restarted fit did not train; the learner keeps what rank 0 trained before the restart, up "
               f"to its last completed step (step {steps} of the fit, in epoch {epoch})", file=sys.stderr)
-        return
-    print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
-    untrained()
+    else:
+        print("ddipp: the fit did not complete; the learner here is as it was before it", file=sys.stderr)
+        untrained()
+
 
 class OfBinding:
     """A method of a bound learner, set on it as an attribute (fastai calls `self.fit`), that unbind takes away; it

@@ -9,6 +9,7 @@ from fastai.core import defaults, listify
 
 from ...core.group import binding
 from ...core.group.binding import OfBinding, unbind
+from ..checkpoint import from_checkpoint
 from . import fitting
 from .fitting import apply_results, fit_call
 from .progress import ProgressMirror
@@ -69,8 +70,12 @@ def fit_on_group(learn: Learner, epochs: int, lr: Any = defaults.lr, wd: Any = N
     def empty_recorder() -> None:  # as a local fit that failed leaves it
         if not hasattr(learn, "recorder"):
             learn.callback_fns[0](learn)
+
+    def checkpointed(fit: dict, after_steps: int):
+        empty_recorder()  # where the file's recorder goes
+        return from_checkpoint(learn, callbacks + list(learn.callbacks), fit, after_steps)
     binding.fit_on_group(
         learn, "data", lambda held: fit_call(learn, held, epochs, lr, wd, callbacks), mirror,
         apply_results=lambda results: apply_results(learn, results, mirror.bar, callbacks),
         kept=lambda: (len(getattr(learn.recorder, "nb_batches", [])), len(getattr(learn.recorder, "losses", []))),
-        untrained=empty_recorder)
+        untrained=empty_recorder, from_checkpoint=checkpointed)

@@ -5,6 +5,7 @@ from typing import Any
 from fastai.learner import Learner
 
 from ...core.group import binding
+from ..checkpoint import from_checkpoint
 from ..loaders import batch_size
 from .fitting import apply_results, fit_call
 from .progress import ProgressMirror
@@ -20,7 +21,8 @@ def fit_on_group(learn: Learner, n_epoch: int, lr: Any = None, wd: Any = None, c
         binding.fit_on_group(
             learn, "dls", lambda held: fit_call(learn, held, n_epoch, lr, wd, cbs, reset_opt, start_epoch), mirror,
             apply_results=lambda results: apply_results(learn, results, mirror.bar, mirror.child_bar, callbacks),
-            kept=lambda: (len(getattr(learn.recorder, "values", [])), len(getattr(learn.recorder, "losses", []))))
+            kept=lambda: (len(getattr(learn.recorder, "values", [])), len(getattr(learn.recorder, "losses", []))),
+            from_checkpoint=lambda fit, after: from_checkpoint(learn, callbacks, fit, after))
     except BaseException:
         _recorder_started(learn)
         raise

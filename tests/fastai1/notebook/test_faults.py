@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from fastai.basic_train import LearnerCallback
 from fastai.callbacks import SaveModelCallback
 
@@ -204,6 +205,32 @@ def test_a_rank_that_dies_raises_a_worker_error_naming_it_and_rank0s_training_st
     assert len(learn.recorder.val_losses) == 1
 
 
+class DieOnRank0(LearnerCallback):
+    """Rank 0 killed at its third step of epoch 1, after its Checkpoint wrote the state after epoch 1."""
+
+    def on_batch_end(self, epoch, num_batch, train, **kwargs):
+        if train and epoch == 1 and num_batch == 2 and ddipp.rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_fit_whose_rank0_dies_keeps_its_checkpoint_file_and_says_so(tmp_path, capsys):
+    """Nothing comes back from a dead rank 0: the learner went back to its weights of before the fit although the
+    fit's Checkpoint had written the state after epoch 1."""
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    before, checkpoint = params(learn), ddipp.Checkpoint(learn, name="kept")
+    with pytest.raises(WorkerError, match="rank 0"):
+        learn.fit(2, 1e-2, callbacks=[checkpoint, DieOnRank0(learn)])
+    state = torch.load(checkpoint.path, weights_only=True)
+    assert state["epoch"] == 1 and max_diff(params(learn), before) > 0
+    assert max_diff(params(learn), [state["model"][name] for name, _ in learn.model.named_parameters()]) == 0
+    assert [float(v) for v in learn.recorder.losses] == state["recorder"]["losses"]
+    assert len(learn.recorder.nb_batches) == 1
+    assert torch.equal(learn.opt.opt.state_dict()["state"][0]["exp_avg"], state["opt"]["state"][0]["exp_avg"])
+    said = capsys.readouterr().err
+    assert (f"the learner keeps the state of the fit's Checkpoint file {checkpoint.path}, written after epoch 1 (step "
+            f"{len(state['recorder']['losses'])} of the fit): rank 0 sent nothing back") in said
+
+
 class _RaiseAfterStep(LearnerCallback):
     def __init__(self, learn, iteration):
         super().__init__(learn)
@@ -344,4 +371,5 @@ def test_an_interrupt_as_a_restart_begins_keeps_what_rank0_trained_before_it(tmp
     assert max_diff(params(learn), before) > 0 and max_diff(params(learn), params(local)) <= TOL
     said = capsys.readouterr().err
     assert len(learn.recorder.losses) == 4 and "ddipp: restart 1 of 1" in said
-    assert "the learner keeps what rank 0 trained" in said and "to its last completed step (step 4 of the fit, in epoch 0)" in said
+    assert "the learner keeps what rank 0 trained" in said
+    assert "to its last completed step (step 4 of the fit, in epoch 0)" in said

@@ -311,6 +311,35 @@ def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(notebook, 
     assert max_diff(refit["params"], local_refit["params"]) <= TOL and close(refit["values"], local_refit["values"])
 
 
+class DiesOnRank0(Callback):
+    """Rank 0 killed at its third step of epoch 1, after its Checkpoint wrote the state after epoch 1 (the
+    last test on the module's group, which dies with it)."""
+
+    def after_batch(self):
+        if self.training and self.epoch == 1 and self.iter == 2 and ddipp.rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_fit_whose_rank0_dies_keeps_its_checkpoint_file_and_says_so(notebook, tmp_path, capsys):
+    """Nothing comes back from a dead rank 0: the learner went back to its weights of before the fit although the
+    fit's Checkpoint had written the state after epoch 1."""
+    learn = digits_learner(digits_dls(bs=16), tmp_path).to_ddp(nprocs=2)
+    before = params(learn)
+    with pytest.raises(WorkerError, match="rank 0"):
+        learn.fit(2, 1e-2, cbs=[ddipp.Checkpoint("kept"), DiesOnRank0()])
+    file = tmp_path / "models" / "kept.pth"
+    state = torch.load(file, weights_only=True)
+    assert state["epoch"] == 1 and max_diff(params(learn), before) > 0
+    assert max_diff(params(learn), [state["model"][name] for name, _ in learn.model.named_parameters()]) == 0
+    assert history(learn)["losses"] == [float(v) for v in state["recorder"]["losses"]]
+    assert len(history(learn)["values"]) == 1
+    assert torch.equal(learn.opt.state_dict()["state"][0]["grad_avg"], state["opt"]["state"][0]["grad_avg"])
+    said = capsys.readouterr().err
+    assert (f"the learner keeps the state of the fit's Checkpoint file {file}, written after epoch 1 (step "
+            f"{len(state['recorder']['losses'])} of the fit): rank 0 sent nothing back") in said
+
+
 @pytest.mark.slow
 def test_an_interrupt_stops_every_rank_keeps_what_was_trained_and_a_killed_notebook_leaves_no_worker(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
