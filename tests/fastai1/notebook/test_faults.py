@@ -26,6 +26,7 @@ import ddipp
 from ddipp.core.group import binding, forkserver
 from ddipp.core.group.binding import group_of
 from ddipp.core.group.group import WorkerError, _groups
+from ddipp.core.resume import restart_count
 from compare import TOL, close, max_diff
 from scenario import digits_data, digits_learner, history, params
 
@@ -229,6 +230,33 @@ def test_a_fit_whose_rank0_dies_keeps_its_checkpoint_file_and_says_so(tmp_path, 
     said = capsys.readouterr().err
     assert (f"the learner keeps the state of the fit's Checkpoint file {checkpoint.path}, written after epoch 1 (step "
             f"{len(state['recorder']['losses'])} of the fit): rank 0 sent nothing back") in said
+
+
+class DieOnRank1ThenOnRank0(LearnerCallback):
+    """Rank 1 killed at step 4 of the fit; in the restarted group, rank 0 at its third step of epoch 1."""
+
+    def on_batch_end(self, epoch, num_batch, iteration, train, **kwargs):
+        first = restart_count() == 0
+        if train and (iteration == 3 if first else (epoch, num_batch) == (1, 2)) and ddipp.rank() == int(first):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_restarted_fit_whose_rank0_dies_keeps_the_newer_checkpoint_file_and_says_so(tmp_path, capsys):
+    """Before the restart rank 0 trained 4 steps; the restarted group wrote the state after epoch 1, then its rank 0
+    died: the file is the newer."""
+    learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2, restarts=1)
+    checkpoint = ddipp.Checkpoint(learn, name="kept")
+    with pytest.raises(WorkerError, match="rank 0"):
+        learn.fit(2, 1e-2, callbacks=[checkpoint, DieOnRank1ThenOnRank0(learn)])
+    state = torch.load(checkpoint.path, weights_only=True)
+    assert state["epoch"] == 1 and len(state["recorder"]["losses"]) > 4
+    assert max_diff(params(learn), [state["model"][name] for name, _ in learn.model.named_parameters()]) == 0
+    assert [float(v) for v in learn.recorder.losses] == state["recorder"]["losses"]
+    said = capsys.readouterr().err
+    assert "ddipp: restart 1 of 1" in said and (
+        f"the learner keeps the state of the fit's Checkpoint file {checkpoint.path}, written after epoch 1 (step "
+        f"{len(state['recorder']['losses'])} of the fit): newer than what rank 0 trained before the restart (step 4)"
+        ) in said
 
 
 class _RaiseAfterStep(LearnerCallback):
