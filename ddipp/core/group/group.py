@@ -5,8 +5,9 @@ Workers are never a fork of the kernel (so a kernel that already used CUDA is fi
 ready), each in its own session so that a terminal's Ctrl-C reaches the notebook only, which then stops them all.
 The notebook hosts the rendezvous store, on loopback, for the group's life (the ranks meet there again after a
 failed fit); each worker talks to the notebook over a private socket. A fit that fails keeps what rank 0 trained up to
-its last completed step, if rank 0 lives to send it; the workers stay when every rank ended its fit and lives (they
-form a new process group at the next fit), else the group stops and the next fit starts a new one.
+its last completed step, if rank 0 lives to send it (else binding keeps the fit's Checkpoint file); the workers stay
+when every rank ended its fit and lives (they form a new process group at the next fit), else the group stops and the
+next fit starts a new one.
 """
 import atexit
 import gc
