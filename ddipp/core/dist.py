@@ -355,7 +355,8 @@ _at_exit = False  # teardown is registered to run at the interpreter's exit
 
 def _teardown_at_exit() -> None:
     """Have the interpreter's exit leave the process group (teardown), once: a gloo group still there when the
-    interpreter ends can abort a rank that finished its work (SIGABRT, "terminate called without an active exception")."""
+    interpreter ends can abort a rank that finished its work (SIGABRT, "terminate called without an active
+    exception")."""
     global _at_exit
     if not _at_exit:
         atexit.register(teardown)

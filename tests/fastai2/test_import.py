@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-# in a fresh interpreter: the defaults' names after fastai.learner, after ddipp, after the user's fastai.callback.schedule
+# in a fresh interpreter: the defaults' names after fastai.learner, after ddipp, after the user's
+# fastai.callback.schedule
 DEFAULTS = """
 import json
 from fastai.learner import defaults

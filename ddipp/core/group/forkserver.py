@@ -105,7 +105,7 @@ class ForkedWorker:
         self.server, self.request, self.conn, self.spawn = server, request, conn, spawn
         self.spawned: Optional[subprocess.Popen] = None
         self.cancelled = False  # killed before the server forked it
-        self.server_end: Optional[int] = None  # the server's exit code (negative: its signal) if the worker ended with it
+        self.server_end: Optional[int] = None  # the server's exit code (negative: a signal) if the worker ended with it
 
     def _pid(self, timeout: float = 0.0) -> Optional[int]:
         """The worker's pid once forked or spawned (spawning it if the server ended first), waiting up to `timeout` s

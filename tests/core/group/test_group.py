@@ -109,7 +109,8 @@ def test_an_exception_on_one_rank_raises_here_with_its_type_rank_and_traceback()
 
 @pytest.mark.slow  # starts a worker group
 def test_a_rank_that_dies_raises_a_worker_error_naming_it_and_the_next_fit_runs_on_a_new_group():
-    """At once, though its loader's worker lived on (torch's watchdog there ends it 5 s later): it dies with the rank."""
+    """At once, though its loader's worker lived on (torch's watchdog there ends it 5 s later): it dies with the
+    rank."""
     group = group_for(CPU2, 60, FITTING)
     group.wait_ready()
     error, took = _failing_fit(group, die_on_rank1, WorkerError)
