@@ -3,7 +3,8 @@
 Each stack has a fastai v2 virtualenv (.matrix/<stack>-v2: the fastai v2 suite) and a fastai v1 one (.matrix/<stack>-v1:
 a subset), reused between runs. ddipp goes in from one wheel of this checkout with its extras, pip held to the stack's
 exact pins; the tests run from the checkout. Writes the table between docs/dependencies.md's matrix markers; exits 1
-if a test failed. Gigabytes of downloads, so not in CI; tests/test_matrix.py keeps the stacks at pyproject.toml's bounds."""
+if a test failed. Gigabytes of downloads, so not in CI; tests/test_matrix.py keeps the stacks at pyproject.toml's
+bounds."""
 import contextlib
 import datetime
 import fcntl
