@@ -146,12 +146,13 @@ class DistributedCallback(Callback):
         """No bars, no results table and no CSV file on this rank during the fit (rank 0 shows and writes them)."""
         learn = self.learn
         self.undo.enter_context(learn.no_logging())
+        bars = imported("fastai.callback.progress", "ProgressCallback", "ShowGraphCallback")  # the graph: on a bar
+        loggers = imported("fastai.callback.progress", "CSVLogger")
         for cb in learn.cbs:
-            bars = imported("fastai.callback.progress", "ProgressCallback", "ShowGraphCallback")  # the graph: on a bar
             if isinstance(cb, bars):
                 self.undo.callback(setattr, cb, "run", cb.run)
                 cb.run = False
-            elif isinstance(cb, imported("fastai.callback.progress", "CSVLogger")):
+            elif isinstance(cb, loggers):
                 self.undo.callback(setattr, cb, "fname", cb.fname)
                 cb.fname = UnnamedFile()
 
@@ -161,8 +162,9 @@ class DistributedCallback(Callback):
         (Under split_batches it counts the whole batch: after_loss gathers it.)"""
         if self.split_batches:
             return
+        accumulation = imported("fastai.callback.training", "GradientAccumulation")
         for cb in self.learn.cbs:
-            if isinstance(cb, imported("fastai.callback.training", "GradientAccumulation")):
+            if isinstance(cb, accumulation):
                 self.undo.callback(setattr, cb, "n_acc", cb.n_acc)
                 cb.n_acc = cb.n_acc / self.world_size
 
