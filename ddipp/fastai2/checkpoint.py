@@ -162,9 +162,12 @@ class Checkpoint(Callback):
 
 
 def _put_trained(learn, state: dict) -> None:
-    """What a Checkpoint's `state` holds of the training into `learn`: the model, the optimizer, the training iteration,
-    the recorder (the epochs before the file's, once each)."""
+    """What a Checkpoint's `state` holds of the training into `learn`: the model, the optimizer (made if the learner
+    has none yet: its first fit makes it), the training iteration, the recorder (the epochs before the file's, once
+    each)."""
     load_model_state(learn.model, state["model"])
+    if learn.opt is None:
+        learn.create_opt()
     opt = to_device(state["opt"], next(learn.model.parameters()).device)  # on the parameters' device
     load_opt_state_dict(learn, dict(opt, hypers=L(opt["hypers"])))
     learn.train_iter = state["train_iter"]
@@ -180,8 +183,6 @@ def from_checkpoint(learn, callbacks: List[Callback], fit: dict, after_steps: in
     for cb in callbacks:
         found = isinstance(cb, Checkpoint) and fit_checkpoint(cb.file_of(learn), cb.keep, fit, after_steps)
         if found:
-            if learn.opt is None:  # a learner's first fit makes its optimizer
-                learn.create_opt()
             _put_trained(learn, found[0])
             return found
     return None
