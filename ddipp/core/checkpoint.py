@@ -5,6 +5,7 @@ import os
 import re
 import zipfile
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -50,6 +51,33 @@ def write_checkpoint(state: dict, path: Path, keep: int) -> None:
         os.link(path, link)
         os.replace(link, previous(path, 1))
     save_atomic(state, path)
+
+
+@dataclass
+class Saved:
+    """What every Checkpoint file holds, whatever the fastai: the whole model and optimizer state (`state`, as
+    ddipp.core.state.full_state gives it), the epochs and batches trained (`epoch`, `step`), every rank's generators,
+    ddipp's shuffle seed (None in one process), the fit's identity (ddipp.core.resume.next_fit's, with its learning
+    rates), its epochs and training set size; and `fastai`, the adapter's own part (its recorder, with a loss a step,
+    and what its fastai needs to go on), whose keys are the file's too."""
+    state: Optional[dict]
+    epoch: int
+    step: int
+    rngs: list
+    shuffle_seed: Optional[int]
+    identity: dict
+    n_epochs: int
+    size: int
+    fastai: dict
+
+
+def save_checkpoint(saved: Saved, path: Path, keep: int) -> None:
+    """Every rank calls it after reading the state (a collective); rank 0 writes `saved` into `path` (write_checkpoint),
+    the others nothing."""
+    if ddist.is_rank0():
+        write_checkpoint(dict(saved.state, epoch=saved.epoch, step=saved.step, rngs=saved.rngs,
+                              shuffle_seed=saved.shuffle_seed, **saved.identity, n_epochs=saved.n_epochs,
+                              size=saved.size, **saved.fastai), path, keep)
 
 
 class DamagedCheckpoint(ValueError):

@@ -1,10 +1,11 @@
 """The steps of a distributed fit that both adapters' DistributedCallbacks take alike."""
-from typing import List, Optional
+from typing import List, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from . import dist as ddist
+from .parallel import Strategy
 
 
 class LossAndStop:
@@ -47,3 +48,16 @@ def meet_at_end() -> None:
         if ddist.peer_failure(e):
             ddist.leave()
         raise
+
+
+class DistributedFit(Protocol):
+    """What a callback may know of the distributed fit it runs in: each adapter's `distributed_fit(learn)` gives it
+    while such a fit runs (its model wrapped, its training loader sharded), else None."""
+    rank: int
+    world_size: int
+    strategy: Strategy  # how the fit holds the model: read and load its whole state through it
+    shuffle_seed: int  # the seed the training order is drawn with, alike on every rank (a Checkpoint restores it)
+    n_items: int  # the items of the whole training set the order is drawn from
+
+    def epoch_order(self) -> List[int]:
+        """This rank's items of the current epoch (indices into the training set), in the order it takes them."""

@@ -1,14 +1,17 @@
-"""The one place that knows how a model's and an optimizer's state is read and written (DDP's and torch.compile's
-wrappers today; FSDP's gathered state would go here). The adapters say where their fastai keeps the optimizer's
-state."""
+"""The one door to a model's and an optimizer's state: the whole state read and loaded on every rank (a distributed
+fit's Strategy reads it, a local read otherwise), what a worker keeps of it between notebook fits, and the wrappers
+(DDP's, torch.compile's) seen through. The adapters say only where their fastai keeps its optimizer."""
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+if TYPE_CHECKING:
+    from .parallel import Strategy
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -28,10 +31,23 @@ def _compiled(model: nn.Module) -> bool:
     return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
-def model_state(model: nn.Module) -> dict:
-    """The state dict of `model`, wrapped or not (its keys without the wrappers' `module.` and `_orig_mod.`): a
-    compiled model's loads into the plain model and back."""
-    return unwrapped(model).state_dict()
+def full_state(model: nn.Module, optimizer: Any, strategy: Optional["Strategy"] = None) -> Optional[dict]:
+    """Every rank calls it: {"model": the model's state dict (its keys without the wrappers' `module.` and
+    `_orig_mod.`), "opt": the optimizer's (None without one)} on rank 0, read by `strategy` while a distributed fit
+    holds the model (it may gather, and leave other ranks None), else locally."""
+    if strategy is not None:
+        return strategy.full_state(model, optimizer)
+    return dict(model=unwrapped(model).state_dict(), opt=None if optimizer is None else optimizer.state_dict())
+
+
+def load_full_state(model: nn.Module, optimizer: Any, state: dict, strategy: Optional["Strategy"] = None) -> None:
+    """Every rank calls it: `state` (as full_state gives it) into the model and, when both have one, the optimizer;
+    through `strategy` while a distributed fit holds the model."""
+    if strategy is not None:
+        return strategy.load_full_state(model, optimizer, state)
+    unwrapped(model).load_state_dict(state["model"])
+    if optimizer is not None and state.get("opt") is not None:
+        optimizer.load_state_dict(state["opt"])
 
 
 @contextmanager
@@ -46,21 +62,16 @@ def plain_model(learn: Any):
         learn.model = model
 
 
-def load_model_state(model: nn.Module, state: dict) -> None:
-    """Load `state` (as model_state gives it) into `model`, wrapped or not."""
-    unwrapped(model).load_state_dict(state)
-
-
-def move_optimizer_state(opt_state: Mapping[torch.Tensor, dict]) -> None:
-    """Put an optimizer's per-parameter state tensors (not its scalar steps) on the device of their parameter."""
-    for param, state in opt_state.items():
+def move_optimizer_state(optimizer: Any) -> None:
+    """Put the optimizer's per-parameter state tensors (not its scalar steps) on the device of their parameter."""
+    for param, state in ({} if optimizer is None else optimizer.state).items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != param.device:
                 state[key] = value.to(param.device)
 
 
-def state_tensors(model: nn.Module, opt_state: Mapping[torch.Tensor, dict]) -> Iterator[torch.Tensor]:
-    """The tensors of the model's state and of an optimizer's per-parameter state."""
-    yield from model_state(model).values()
-    for state in opt_state.values():
+def kept_tensors(model: nn.Module, optimizer: Any) -> Iterator[torch.Tensor]:
+    """The tensors of this rank's model and optimizer state: what a worker keeps between a notebook's fits."""
+    yield from unwrapped(model).state_dict().values()
+    for state in ({} if optimizer is None else optimizer.state).values():
         yield from (value for value in state.values() if isinstance(value, torch.Tensor))

@@ -24,7 +24,8 @@ from torch import nn
 
 from ..core import dist as ddist
 from ..core.sharding import pad_to_longest, shared_seed, unshard
-from ..core.ddp import LR_FIND_MODES, check_split, wrap
+from ..core import parallel
+from ..core.options import LR_FIND_MODES, Options, check_split
 from ..core.files import UnnamedFile
 from ..core.fit import LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
@@ -46,7 +47,10 @@ class DistributedCallback(LearnerCallback):
     def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None,
                  split_batches: bool = False):
         super().__init__(learn)
-        self.sync_bn, self.find_unused_parameters, self.split_batches = sync_bn, find_unused_parameters, split_batches
+        self.options = Options(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
+                               split_batches=split_batches)
+        self.split_batches = split_batches
+        self.strategy = parallel.strategy(self.options)  # how the fit holds the model (DDP)
         self.distributed = False  # between a fit's on_train_begin and the undoing of what it changed
         self.fitting = False  # from a distributed fit's on_train_begin to its on_train_end
         self.alone = False  # from a fit's on_train_begin on a group of one rank to its on_train_end
@@ -78,7 +82,7 @@ class DistributedCallback(LearnerCallback):
         if self.split_batches:
             sharded = split_train_loader(data.train_dl, self.rank, self.world_size, shared_seed())
             check_split(data.train_dl.dl.batch_sampler.batch_size, self.world_size,
-                        sharded.dl.batch_sampler.smallest_part(), has_batchnorm(learn.model), self.sync_bn)
+                        sharded.dl.batch_sampler.smallest_part(), has_batchnorm(learn.model), self.options.sync_bn)
         else:
             sharded = shard_train_loader(data.train_dl, self.rank, self.world_size, shared_seed())
         if len(sharded) == 0:  # refused before anything changes
@@ -92,7 +96,7 @@ class DistributedCallback(LearnerCallback):
         self.summed_loss = getattr(learn.loss_func, "reduction", "mean") == "sum"
         model, train_dl, valid_dl = learn.model, data.train_dl, data.valid_dl
         self.undo.callback(_restore, learn, model, train_dl, valid_dl)
-        learn.model = wrap(model, self.undo, self.sync_bn, self.find_unused_parameters)
+        learn.model = self.strategy.wrap(model, learn.opt.opt, self.undo)
         data.train_dl = sharded
         self.train_sampler = sharded.dl.batch_sampler if self.split_batches else sharded.dl.batch_sampler.sampler
         self.undo.callback(_rescale_schedule(learn, len(train_dl) * n_epochs, len(sharded) * n_epochs))

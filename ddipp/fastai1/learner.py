@@ -13,7 +13,7 @@ from fastai.torch_core import is_pathlike, rank_distrib
 
 from ..core import dist as ddist
 from ..core.resume import restart_count
-from ..core.ddp import check_matches_launch, check_options, notebook_devices
+from ..core.options import Options, check_matches_launch, notebook_devices
 from ..core.files import replacing, writing_as_rank_0
 from ..core.state import plain_model
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
@@ -35,16 +35,20 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     loader's batch as the global batch, each process taking its part (one process's steps and numbers); by default
     each process takes a whole batch. In a notebook, `restarts=N` runs a fit whose worker died again on a new group,
     up to N times, resuming from the fit's Checkpoint."""
-    check_options(lr_find_mode, timeout, split_batches, restarts)
-    options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode,
-                   split_batches=split_batches)
+    options = Options(sync_bn, find_unused_parameters, lr_find_mode, split_batches, timeout, restarts)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return learn
         from .notebook.binding import bind
-        bind(learn, notebook_devices(gpus, nprocs), timeout, options, restarts)  # and says the global batch
+        bind(learn, notebook_devices(gpus, nprocs), options)  # and says the global batch
         return learn
     check_matches_launch(gpus, nprocs, restarts)
+    return distribute(learn, options)
+
+
+def distribute(learn: Learner, options: Options) -> Learner:
+    """A launched process's (or a notebook worker's) learner: in the launcher's group, with ddipp's callbacks made
+    with `options`, and the save, export, validate and fit a launched learner needs."""
     ddist.init()
     if not ddist.is_rank0():
         hide_progress_bars()  # also for validate() and get_preds() outside a fit
@@ -52,9 +56,10 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     _lm_eval_loaders(learn.data)
     for name, method in _METHODS.items():  # save, export and validate as a launched learner needs them
         setattr(learn, name, MethodType(method, learn))
-    learn.callback_fns += [partial(DistributedCallback, sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
-                                   split_batches=split_batches),
-                           partial(LRFinderBypassCallback, mode=lr_find_mode), GCCallback]
+    learn.callback_fns += [partial(DistributedCallback, sync_bn=options.sync_bn,
+                                   find_unused_parameters=options.find_unused_parameters,
+                                   split_batches=options.split_batches),
+                           partial(LRFinderBypassCallback, mode=options.lr_find_mode), GCCallback]
     return learn
 
 

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 from ..core import dist as ddist
 from ..core.sharding import shared_seed, unshard
-from ..core.ddp import LR_FIND_MODES, check_split, wrap
+from ..core import parallel
+from ..core.options import LR_FIND_MODES, Options, check_split
 from ..core.files import UnnamedFile
 from ..core.fit import LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
@@ -46,7 +47,10 @@ class DistributedCallback(Callback):
     order = -5  # after TrainEvalCallback (-10) put the model on its device; before Recorder (50) and the bars (60)
 
     def __init__(self, sync_bn: bool = False, find_unused_parameters: bool = None, split_batches: bool = False):
-        self.sync_bn, self.find_unused_parameters, self.split_batches = sync_bn, find_unused_parameters, split_batches
+        self.options = Options(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
+                               split_batches=split_batches)
+        self.split_batches = split_batches
+        self.strategy = parallel.strategy(self.options)  # how the fit holds the model (DDP)
         self.undo = ExitStack()  # every change a distributed fit made, undone in reverse when it ends
         self.in_fit = False  # inside learn.fit (before_fit also starts validate() and get_preds(), which stay local)
         self.joined = False  # this fit began on a group of 2 or more ranks: at its end they meet, or this rank leaves
@@ -125,7 +129,8 @@ class DistributedCallback(Callback):
             raise TypeError(_not_shardable(learn.dls.train))
         if self.split_batches:
             shard = SplitTrainDL(train, rank, world_size, shared_seed())
-            check_split(train.bs, world_size, shard.parts.smallest_part(), has_batchnorm(learn.model), self.sync_bn)
+            check_split(train.bs, world_size, shard.parts.smallest_part(), has_batchnorm(learn.model),
+                        self.options.sync_bn)
         else:
             shard = ShardedTrainDL(train, rank, world_size, shared_seed())
         if len(shard) == 0:  # refused before anything changes
@@ -135,7 +140,7 @@ class DistributedCallback(Callback):
             self._quiet()
         model = learn.model
         self.undo.callback(setattr, learn, "model", model)
-        learn.model = wrap(model, self.undo, self.sync_bn, self.find_unused_parameters)
+        learn.model = self.strategy.wrap(model, learn.opt, self.undo)
         self.undo.callback(_set_train, learn.dls, learn.dls.train)
         learn.dls.train, self.shard = shard, shard
         self._accumulate_global_samples()

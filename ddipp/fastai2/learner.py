@@ -12,7 +12,7 @@ from fastai.torch_core import rank_distrib
 from fastcore.basics import patch
 
 from ..core import dist as ddist
-from ..core.ddp import check_matches_launch, check_options, notebook_devices
+from ..core.options import Options, check_matches_launch, notebook_devices
 from ..core.files import replacing, writing_as_rank_0
 from ..core.group.wire import BINDING_ATTRS
 from ..core.state import plain_model
@@ -36,30 +36,32 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
     batch as the global batch, each process taking its part (one process's steps and numbers); by default each process
     takes a whole batch. In a notebook, `restarts=N` runs a fit whose worker died again on a new group, up to N times,
     resuming from the fit's Checkpoint."""
-    check_options(lr_find_mode, timeout, split_batches, restarts)
+    options = Options(sync_bn, find_unused_parameters, lr_find_mode, split_batches, timeout, restarts)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return self
         from ..core.group.binding import bind
         from .notebook import fitting
         from .notebook.binding import fit_on_group
-        devices = notebook_devices(gpus, nprocs)
-        options = dict(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters, lr_find_mode=lr_find_mode,
-                       split_batches=split_batches)
-        bind(self, devices, timeout, options, fit_on_group, fitting=fitting.__name__, restarts=restarts)
+        bind(self, notebook_devices(gpus, nprocs), options, fit_on_group, fitting=fitting.__name__)
         self.save, self.export = AtomicSave(self), AtomicExport(self)  # the exported learner is not bound
         self.ddp.say_global_batch(batch_size(self.dls.train))
         return self
     check_matches_launch(gpus, nprocs, restarts)
+    return distribute(self, options)
+
+
+def distribute(learn: Learner, options: Options) -> Learner:
+    """A launched process's (or a notebook worker's) learner: in the launcher's group, with ddipp's callbacks made
+    with `options`, and `save`/`export` that replace their file only once it is whole."""
     ddist.init()
     if not ddist.is_rank0():
         fastprogress.fastprogress.NO_BAR = True  # rank 0 draws the bars, also of validate() and get_preds()
-    from_ddp(self)
-    self.add_cbs([DistributedCallback(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
-                                      split_batches=split_batches),
-                  LRFinderBypassCallback(mode=lr_find_mode), GCCallback()])
-    self.save, self.export = AtomicSave(self), AtomicExport(self)
-    return self
+    from_ddp(learn)
+    learn.add_cbs([DistributedCallback(options.sync_bn, options.find_unused_parameters, options.split_batches),
+                   LRFinderBypassCallback(mode=options.lr_find_mode), GCCallback()])
+    learn.save, learn.export = AtomicSave(learn), AtomicExport(learn)
+    return learn
 
 
 @patch

@@ -5,6 +5,7 @@ from typing import Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
 
+from ..options import Options
 from .wire import HeldTensors
 
 
@@ -14,7 +15,7 @@ class Fitting(Protocol):
     def place_data(self, data: Any, device: torch.device) -> Any:
         """Make the data the notebook sent deliver its batches on `device`; the data."""
 
-    def run_fit(self, data: Any, call: bytes, options: dict, device: torch.device,
+    def run_fit(self, data: Any, call: bytes, options: Options, device: torch.device,
                 send: Optional[Callable[[tuple], None]], held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
         """Run the fit `call` on `data` under DDP with ddipp's callbacks (`options`), taking the tensors it names from
         `held`; rank 0 (given `send`) relays progress and returns the results; every rank returns the digests of the

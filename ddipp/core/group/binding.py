@@ -9,40 +9,52 @@ from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 import torch
 
 from ..checkpoint import steps as checkpoint_steps
-from ..ddp import say_global_batch
+from ..options import Options
 from ..resume import progress
+from ..sharding import part_sizes
 from .group import WorkerDied, WorkerGroup, _groups, group_for
 from .wire import pickled_data
 
 
 @dataclass
 class Binding:
-    """Where a bound learner's fits run and with which adapter's fitting module, the options of ddipp's callbacks
-    there, how many times a fit whose worker died restarts, and the training loader's batch size whose global batch it
-    said last."""
+    """Where a bound learner's fits run and with which adapter's fitting module, its to_ddp `options` (the callbacks'
+    there, the timeout, how many times a fit whose worker died restarts), and the training loader's batch size whose
+    global batch it said last."""
     devices: Tuple[str, ...]
-    timeout: float
-    options: dict
+    options: Options
     fitting: str
-    restarts: int = 0
     said_bs: Optional[int] = None
 
     def say_global_batch(self, bs: Optional[int]) -> None:
         """Say the global batch that the loader's `bs` makes, unless it is the one this binding said last."""
         if bs != self.said_bs:
-            say_global_batch(bs, len(self.devices), self.options.get("split_batches", False))
+            say_global_batch(bs, len(self.devices), self.options.split_batches)
             self.said_bs = bs
 
 
-def bind(learn: Any, devices: Tuple[str, ...], timeout: float, options: dict, fit_on_group: Callable,
-         fitting: str, restarts: int = 0) -> None:
+def say_global_batch(bs: Optional[int], processes: int, split_batches: bool) -> None:
+    """Print the global batch a notebook's learner now trains with: bs per process, or bs split (split_batches)."""
+    if not bs:
+        return
+    if split_batches:
+        parts = " + ".join(map(str, part_sizes(bs, processes)))
+        print(f"ddipp: global batch {bs} kept: {parts} over {processes} processes")
+    else:
+        print(f"ddipp: global batch {bs * processes} = {bs} per process x {processes} (an epoch takes 1/{processes} "
+              f"of the steps of one process with bs={bs}); add split_batches=True to keep bs={bs} as the global "
+              "batch: one process's training, faster")
+
+
+
+def bind(learn: Any, devices: Tuple[str, ...], options: Options, fit_on_group: Callable, fitting: str) -> None:
     """Run `learn`'s fits on the group on `devices` (started now if not running) with `fit_on_group(learn, ...)`; its
-    workers run them with the adapter's module named `fitting` (`adapter.Fitting`); a fit whose worker dies starts a
-    new group and resumes there, up to `restarts` times."""
+    workers run them with the adapter's module named `fitting` (`adapter.Fitting`) and `options`; a fit whose worker
+    dies starts a new group and resumes there, up to `options.restarts` times."""
     if "ddp" in vars(learn):
         unbind(learn)
-    group_for(devices, timeout, fitting).learners[id(learn)] = learn
-    learn.ddp = Binding(devices, timeout, options, fitting, restarts)
+    group_for(devices, options.timeout, fitting).learners[id(learn)] = learn
+    learn.ddp = Binding(devices, options, fitting)
     learn.fit = FitOnGroup(learn, fit_on_group)  # what fit_one_cycle, lr_find, fine_tune ... call
 
 
@@ -65,7 +77,7 @@ def group_of(learn: Any, after: WorkerGroup = None, attempt: int = 0) -> WorkerG
     """The running group of a bound learner (a new one if the last fit's failure stopped it, the `attempt`-th restart
     of `after`'s fit if given)."""
     binding = learn.ddp
-    group = group_for(binding.devices, binding.timeout, binding.fitting, after, attempt)
+    group = group_for(binding.devices, binding.options.timeout, binding.fitting, after, attempt)
     group.learners[id(learn)] = learn
     return group
 
@@ -90,8 +102,9 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
     while True:
         try:
             if died is not None:  # here, where an interrupt still keeps what was trained
-                print(f"ddipp: {str(died).splitlines()[0]}\nddipp: restart {restarts} of {learn.ddp.restarts}: a new "
-                      "group runs the fit again, from its Checkpoint if it has one", file=sys.stderr, flush=True)
+                print(f"ddipp: {str(died).splitlines()[0]}\nddipp: restart {restarts} of "
+                      f"{learn.ddp.options.restarts}: a new group runs the fit again, from its Checkpoint if it has "
+                      "one", file=sys.stderr, flush=True)
                 failed, died = time.monotonic(), None
                 group = group_of(learn, after=group, attempt=restarts)
                 group.wait_ready()
@@ -101,7 +114,7 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
             results, interrupted = group.fit(data, call(group.held), learn.ddp.options, mirror)
             break
         except BaseException as e:
-            if isinstance(e, WorkerDied) and restarts < learn.ddp.restarts:
+            if isinstance(e, WorkerDied) and restarts < learn.ddp.options.restarts:
                 restarts, earlier, died = restarts + 1, group.trained or earlier, e
                 continue
             _failed(group, apply_results, kept, untrained, earlier, lambda after: from_checkpoint(fit, after),

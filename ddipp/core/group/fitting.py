@@ -14,24 +14,26 @@ from .wire import HeldTensors, loads
 
 
 def received_fit(call: bytes, objects: Mapping[Hashable, Any], device: torch.device, held: HeldTensors,
-                 opt_state: Callable[[Any], Mapping]) -> dict:
+                 optimizer: Callable[[Any], Any]) -> dict:
     """The fit request `call` (its references resolved to `objects`, its tensors taken from `held`), every rank seeded
-    alike as a launched script that seeds, its learner's model and optimizer state (`opt_state(learn)`) on `device`."""
+    alike as a launched script that seeds, its learner's model and optimizer (`optimizer(learn)`) on `device`."""
     request = loads(call, objects, device, held=held)
     seed_all(request["seed"])
     learn = request["learn"]
     learn.model.to(device)
-    move_optimizer_state(opt_state(learn))
+    move_optimizer_state(optimizer(learn))
     return request
 
 
-def fit_and_keep(fit: Callable[[], None], results: Callable[[], List[bytes]], send: Optional[Callable[[tuple], None]],
-                 held: HeldTensors, tensors: Callable[[], Iterable[torch.Tensor]]) -> Tuple[Optional[List[bytes]],
-                                                                                               List[str]]:
-    """Run `fit()`, rank 0's output relayed (the rank given `send`); then rank 0's `results()`, and the digests of the
-    `tensors()` this rank keeps in `held` for the next fit. A stop the notebook asked for (its interrupt) ends the fit
-    after the same step on every rank, as Ctrl-C ends a local fit, and what was trained comes back; so it does from a
-    fit that fails, sent ahead of the error."""
+def fit_and_keep(fit: Callable[[], None], state: Callable[[], Optional[dict]],
+                 results: Callable[[Optional[dict]], List[bytes]], send: Optional[Callable[[tuple], None]],
+                 held: HeldTensors, tensors: Callable[[], Iterable[torch.Tensor]]
+                 ) -> Tuple[Optional[List[bytes]], List[str]]:
+    """Run `fit()`, rank 0's output relayed (the rank given `send`); then, on every rank, the learner's whole `state()`
+    (ddipp.core.state.full_state: a collective where the strategy gathers), rank 0's `results(state)`, and the digests
+    of the `tensors()` this rank keeps in `held` for the next fit. A stop the notebook asked for (its interrupt) ends
+    the fit after the same step on every rank, as Ctrl-C ends a local fit, and what was trained comes back; so it does
+    from a fit that fails, sent by rank 0 ahead of the error from its own state."""
     try:
         with relayed_output(send):
             fit()
@@ -39,6 +41,7 @@ def fit_and_keep(fit: Callable[[], None], results: Callable[[], List[bytes]], se
         pass
     except BaseException:
         if send is not None:
-            send((TRAINED, results()))
+            send((TRAINED, results(state())))
         raise
-    return (None if send is None else results()), held.keep(tensors())
+    whole = state()
+    return (None if send is None else results(whole)), held.keep(tensors())

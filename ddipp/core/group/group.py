@@ -32,6 +32,7 @@ from .. import dist as ddist
 from . import forkserver
 from ..files import owned_dir_prefix, sweep_stale_dirs
 from ..notes import add_note
+from ..options import Options
 from ..store import LOOPBACK, loopback_listener, loopback_store
 from .messages import DONE, ERROR, FIT, KEEP_DATA, LEAVE, READY, SET_CONTEXT, STOP
 from .wire import broadcast, receive, send
@@ -133,7 +134,7 @@ class WorkerGroup:
         self.procs.append(worker)
         self.conns.append(Connection(ours.detach()))
 
-    def fit(self, data: Tuple[str, bytes, list], call: bytes, options: dict, mirror: Any) -> Tuple[list, bool]:
+    def fit(self, data: Tuple[str, bytes, list], call: bytes, options: Options, mirror: Any) -> Tuple[list, bool]:
         """Run one fit of the `data` (`wire.pickled_data`) on every rank, replaying rank 0's progress events on
         `mirror` (called with each event's name and arguments; `mirror.interrupt()` when a fit is interrupted): rank
         0's results and whether an interrupt stopped the fit (every rank after the same step; what was trained comes

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 
 from .. import dist, resume
 from ..dist import CONNECTION_FD_ENV, FITTING_ENV, PARENT_PID_ENV
+from ..options import Options
 from .adapter import load_fitting
 from .messages import DONE, ERROR, READY, STOP
 from .wire import HeldTensors, loads, receive, send
@@ -106,7 +107,7 @@ class Worker:
         self.data = self.fitting.place_data(loads(blob, device=self.device, buffers=buffers), self.device)
         self.data_digest = digest
 
-    def fit(self, digest: str, call: bytes, options: dict, number: int) -> None:
+    def fit(self, digest: str, call: bytes, options: Options, number: int) -> None:
         if digest != self.data_digest:
             raise RuntimeError(f"ddipp: rank {self.rank} holds data {self.data_digest}, not {digest}")
         self.warm_up.join()  # a compiled model's unpickling imports torch._dynamo too: a second import saw it half-made

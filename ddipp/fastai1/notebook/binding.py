@@ -9,16 +9,17 @@ from fastai.core import defaults, listify
 
 from ...core.group import binding
 from ...core.group.binding import OfBinding, unbind
+from ...core.options import Options
 from ..checkpoint import from_checkpoint
 from . import fitting
 from .fitting import apply_results, fit_call
 from .progress import ProgressMirror
 
 
-def bind(learn: Learner, devices: Tuple[str, ...], timeout: float, options: dict, restarts: int = 0) -> None:
-    """Run `learn`'s fits on the group on `devices`, also after fastai's purge (a fit whose worker died again, up to
-    `restarts` times), and say the global batch."""
-    binding.bind(learn, devices, timeout, options, fit_on_group, fitting=fitting.__name__, restarts=restarts)
+def bind(learn: Learner, devices: Tuple[str, ...], options: Options) -> None:
+    """Run `learn`'s fits on the group on `devices` with `options`, also after fastai's purge, and say the global
+    batch."""
+    binding.bind(learn, devices, options, fit_on_group, fitting=fitting.__name__)
     learn.purge, learn.destroy = Purge(learn), Destroy(learn)
     learn.ddp.say_global_batch(_train_bs(learn.data))
 

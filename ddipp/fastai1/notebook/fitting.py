@@ -14,9 +14,11 @@ from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner
 from fastai.callback import Callback
 
+from ...core.options import Options
 from ...core.group.fitting import fit_and_keep, received_fit
 from ...core.group.wire import HeldTensors, dumps, fit_request, loads, without_unpicklable
 from ...core.state import load_model_state, model_state, move_optimizer_state, state_tensors
+from ..learner import distribute
 from ..state import opt_state
 from .progress import ProgressRelay
 from .shipping import data_objects, learner_objects, loaders
@@ -37,13 +39,14 @@ def place_data(data: DataBunch, device: torch.device) -> DataBunch:
     return data
 
 
-def run_fit(data: DataBunch, call: bytes, options: dict, device: torch.device, send: Optional[Callable[[tuple], None]],
+def run_fit(data: DataBunch, call: bytes, options: Options, device: torch.device,
+            send: Optional[Callable[[tuple], None]],
             held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
     """A worker's half (`ddipp.core.group.adapter.Fitting.run_fit`): the call under DDP, rank 0 relaying progress
     through a callback of the fit."""
     request = received_fit(call, data_objects(data), device, held, opt_state)
     learn = request["learn"]
-    learn.to_ddp(**options)
+    distribute(learn, options)
     callbacks = request["callbacks"] + ([ProgressRelay(send)] if send else [])
     return fit_and_keep(lambda: learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks),
                         lambda: results(learn, request["callbacks"]), send, held,

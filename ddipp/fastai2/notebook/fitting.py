@@ -15,10 +15,12 @@ from fastai.callback.progress import ProgressCallback
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 
+from ...core.options import Options
 from ...core.group.fitting import fit_and_keep, received_fit
 from ...core.group.wire import (HeldTensors, dumps, fit_request, grad_from_spec, grad_spec, loads, travelling_state,
                                 without_unpicklable)
 from ...core.state import load_model_state, model_state, move_optimizer_state, state_tensors
+from ..learner import distribute
 from ..state import opt_state
 from .progress import ProgressRelay
 from .shipping import data_objects, fit_callbacks, learner_objects
@@ -44,14 +46,15 @@ def place_data(dls: DataLoaders, device: torch.device) -> DataLoaders:
     return dls
 
 
-def run_fit(dls: DataLoaders, call: bytes, options: dict, device: torch.device, send: Optional[Callable[[tuple], None]],
+def run_fit(dls: DataLoaders, call: bytes, options: Options, device: torch.device,
+            send: Optional[Callable[[tuple], None]],
             held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
     """A worker's half (`ddipp.core.group.adapter.Fitting.run_fit`): the call under DDP, rank 0 relaying progress in
     place of the learner's ProgressCallback."""
     request = received_fit(call, data_objects(dls), device, held, opt_state)
     learn = request["learn"]
     callbacks = fit_callbacks(learn, request["cbs"])
-    learn.to_ddp(**options)
+    distribute(learn, options)
     relay = []  # the ProgressRelay that stood for the learner's ProgressCallback during the fit, if it had one
 
     def fit() -> None:
