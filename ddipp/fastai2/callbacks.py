@@ -28,9 +28,9 @@ from ..core.files import UnnamedFile
 from ..core.fit import LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
 from ..core.syncbn import has_batchnorm
-from ..core.state import load_model_state, model_state
+from ..core.state import full_state, load_full_state
 from .loaders import ShardedEvalDL, ShardedTrainDL, SplitTrainDL, WholeEvalDL, fastai_loader, splittable
-from .state import load_opt_state_dict, opt_state_dict
+from .state import optimizer
 
 
 class DistributedCallback(Callback):
@@ -140,7 +140,7 @@ class DistributedCallback(Callback):
             self._quiet()
         model = learn.model
         self.undo.callback(setattr, learn, "model", model)
-        learn.model = self.strategy.wrap(model, learn.opt, self.undo)
+        learn.model = self.strategy.wrap(model, optimizer(learn), self.undo)
         self.undo.callback(_set_train, learn.dls, learn.dls.train)
         learn.dls.train, self.shard = shard, shard
         self._accumulate_global_samples()
@@ -373,7 +373,7 @@ class LRFinderBypassCallback(Callback):
         if ddp is None or not isinstance(getattr(self.learn, "lr_finder", None),
                                         imported("fastai.callback.schedule", "LRFinder")):
             return
-        self.before_sweep = _state(self.learn)
+        self.before_sweep = copy.deepcopy(full_state(self.learn.model, optimizer(self.learn), ddp.strategy))
         if self.mode == "solo" and ddp.rank == 0:
             ddp.run_alone()
         elif self.mode == "distributed":
@@ -393,7 +393,8 @@ class LRFinderBypassCallback(Callback):
         if self.before_sweep is None:
             return
         learn, state, self.before_sweep = self.learn, self.before_sweep, None
-        _set_state(learn, state)  # as fastai's LRFinder reloads it, on rank 0, after this
+        fit = distributed_fit(learn)  # None on the rank that swept alone
+        load_full_state(learn.model, optimizer(learn), state, fit.strategy if fit else None)  # as LRFinder on rank 0
         finder = learn.lr_finder
         if dist.get_rank() != 0 and hasattr(finder, "tmp_d"):
             finder.tmp_d.cleanup()  # its folder stays empty here: fastai saves on rank 0 only
@@ -401,16 +402,6 @@ class LRFinderBypassCallback(Callback):
             record = [_record(learn)]
             dist.broadcast_object_list(record, src=0)
             _set_record(learn, record[0])
-
-
-def _state(learn) -> dict:
-    """A copy of the weights and the optimizer state, as fastai's LRFinder saves them."""
-    return copy.deepcopy(dict(model=model_state(learn.model), opt=opt_state_dict(learn)))
-
-
-def _set_state(learn, state: dict) -> None:
-    load_model_state(learn.model, state["model"])
-    load_opt_state_dict(learn, state["opt"])
 
 
 _RECORDED = ("lrs", "iters", "losses", "values")

@@ -8,7 +8,6 @@ import numpy as np
 import torch
 from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import SkipToEpoch
-from fastai.torch_core import to_device
 from fastcore.foundation import L
 
 from ..core import dist as ddist
@@ -16,9 +15,9 @@ from ..core import resume
 from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, fit_checkpoint, read_checkpoint,
                                restart_state, write_checkpoint)
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
-from ..core.state import load_model_state, model_state
+from ..core.state import full_state, load_full_state
 from .callbacks import distributed_fit, imported
-from .state import load_opt_state_dict, opt_state_dict
+from .state import optimizer
 
 
 class Checkpoint(Callback):
@@ -129,11 +128,12 @@ class Checkpoint(Callback):
         self.due = False
         # a collective: every rank takes part, rank 0 writes
         rngs = every_rank([rng_state(), _loader_rng(self.learn), self.epoch_rngs if step else None])
+        fit = distributed_fit(self.learn)
+        state = full_state(self.learn.model, optimizer(self.learn), fit.strategy if fit else None)
         if ddist.is_rank0():
             recorder = self.learn.recorder
             smooth = recorder.smooth_loss
-            write_checkpoint(_plain(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
-                                    epoch=epoch, step=step, train_iter=self.learn.train_iter,
+            write_checkpoint(_plain(dict(state, epoch=epoch, step=step, train_iter=self.learn.train_iter,
                                     pct_train=self.learn.pct_train, smooth_loss=[smooth.count, smooth.val],
                                     rngs=rngs, shuffle_seed=self._shuffle_seed(),
                                     recorder=dict(values=recorder.values, losses=recorder.losses, lrs=recorder.lrs,
@@ -165,11 +165,10 @@ def _put_trained(learn, state: dict) -> None:
     """What a Checkpoint's `state` holds of the training into `learn`: the model, the optimizer (made if the learner
     has none yet: its first fit makes it), the training iteration, the recorder (the epochs before the file's, once
     each)."""
-    load_model_state(learn.model, state["model"])
     if learn.opt is None:
         learn.create_opt()
-    opt = to_device(state["opt"], next(learn.model.parameters()).device)  # on the parameters' device
-    load_opt_state_dict(learn, dict(opt, hypers=L(opt["hypers"])))
+    fit = distributed_fit(learn)
+    load_full_state(learn.model, optimizer(learn), state, fit.strategy if fit else None)
     learn.train_iter = state["train_iter"]
     recorder = learn.recorder
     recorder.smooth_loss.count, recorder.smooth_loss.val = state["smooth_loss"]

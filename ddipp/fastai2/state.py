@@ -1,18 +1,34 @@
-"""Where fastai v2 keeps a learner's optimizer state (the model's is ddipp.core.state's)."""
-from collections.abc import Mapping
+"""Where fastai v2 keeps a learner's optimizer: fastai's own Optimizer, seen as ddipp.core.state reads a torch one."""
+from typing import Optional
 
 from fastai.learner import Learner
+from fastai.torch_core import to_device
+from fastcore.foundation import L
 
 
-def opt_state(learn: Learner) -> Mapping:
-    """The optimizer's per-parameter state (empty before the learner has an optimizer)."""
+def optimizer(learn: Learner) -> Optional["FastaiOptimizer"]:
+    """The learner's optimizer as ddipp.core.state takes it, None before it has one (its first fit makes it)."""
     opt = getattr(learn, "opt", None)
-    return opt.state if opt is not None else {}
+    return None if opt is None else FastaiOptimizer(opt)
 
 
-def opt_state_dict(learn: Learner) -> dict:
-    return learn.opt.state_dict()
+class FastaiOptimizer:
+    """fastai's Optimizer `opt` with a torch optimizer's `state` (parameter -> its state), and a `state_dict` of plain
+    values (hypers as a list of dicts: what a weights-only load reads) that `load_state_dict` puts back as fastai
+    keeps it (hypers in fastcore's L, the state on the parameters' device). An OptimWrapper's state dict is its torch
+    optimizer's, without hypers: it passes as it is."""
 
+    def __init__(self, opt):
+        self.opt = opt
 
-def load_opt_state_dict(learn: Learner, state: dict) -> None:
-    learn.opt.load_state_dict(state)
+    @property
+    def state(self) -> dict:
+        return self.opt.state
+
+    def state_dict(self) -> dict:
+        state = self.opt.state_dict()
+        return dict(state, hypers=[dict(h) for h in state["hypers"]]) if "hypers" in state else state
+
+    def load_state_dict(self, state: dict) -> None:
+        state = to_device(state, self.opt.param_lists[0][0].device)
+        self.opt.load_state_dict(dict(state, hypers=L(state["hypers"])) if "hypers" in state else state)

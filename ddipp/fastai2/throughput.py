@@ -10,10 +10,10 @@ from fastai.torch_core import find_bs, to_device
 
 from ..core import dist as ddist
 from ..core.rng import rng_state, set_rng_state
-from ..core.state import load_model_state, model_state
+from ..core.state import full_state, load_full_state
 from ..core.throughput import global_counts, rank0_rate, say_comparison
 from .callbacks import DistributedCallback, distributed_fit
-from .state import load_opt_state_dict, opt_state_dict
+from .state import optimizer
 
 COLUMNS = ("samples", "distinct", "samples/s")
 
@@ -81,7 +81,7 @@ class Throughput(Callback):
         generators (global and the loader's) are put back."""
         learn, dl = self.learn, self.learn.dls.train
         model, opt = learn.model, learn.opt
-        states = copy.deepcopy((model_state(model), opt_state_dict(learn)))
+        state = copy.deepcopy(full_state(model, optimizer(learn)))  # rank 0 alone: the model is not wrapped yet
         rngs, loader_rng = rng_state(), copy.deepcopy(getattr(dl, "rng", None))  # the loader's own draws its order
         device = next(model.parameters()).device
         count, start = 0, None
@@ -98,8 +98,7 @@ class Throughput(Callback):
                 count += find_bs(b[n_inp:])
         _synchronize(device)
         elapsed = time.perf_counter() - start
-        load_model_state(model, states[0])
-        load_opt_state_dict(learn, states[1])
+        load_full_state(model, optimizer(learn), state)
         set_rng_state(rngs)
         if loader_rng is not None:
             dl.rng = loader_rng

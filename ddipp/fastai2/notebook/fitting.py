@@ -19,9 +19,9 @@ from ...core.options import Options
 from ...core.group.fitting import fit_and_keep, received_fit
 from ...core.group.wire import (HeldTensors, dumps, fit_request, grad_from_spec, grad_spec, loads, travelling_state,
                                 without_unpicklable)
-from ...core.state import load_model_state, model_state, move_optimizer_state, state_tensors
+from ...core.state import full_state, kept_tensors, load_full_state, move_optimizer_state
 from ..learner import distribute
-from ..state import opt_state
+from ..state import optimizer
 from .progress import ProgressRelay
 from .shipping import data_objects, fit_callbacks, learner_objects
 
@@ -51,7 +51,7 @@ def run_fit(dls: DataLoaders, call: bytes, options: Options, device: torch.devic
             held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
     """A worker's half (`ddipp.core.group.adapter.Fitting.run_fit`): the call under DDP, rank 0 relaying progress in
     place of the learner's ProgressCallback."""
-    request = received_fit(call, data_objects(dls), device, held, opt_state)
+    request = received_fit(call, data_objects(dls), device, held, optimizer)
     learn = request["learn"]
     callbacks = fit_callbacks(learn, request["cbs"])
     distribute(learn, options)
@@ -63,8 +63,9 @@ def run_fit(dls: DataLoaders, call: bytes, options: Options, device: torch.devic
                 relay.append(_relayed_progress(learn, send, stack))
             learn.fit(request["n_epoch"], request["lr"], wd=request["wd"], cbs=request["cbs"],
                       reset_opt=request["reset_opt"], start_epoch=request["start_epoch"])
-    return fit_and_keep(fit, lambda: results(learn, callbacks, relay[0] if relay else None), send, held,
-                        lambda: state_tensors(learn.model, opt_state(learn)))
+    return fit_and_keep(fit, lambda: full_state(learn.model, optimizer(learn)),
+                        lambda state: results(learn, callbacks, relay[0] if relay else None, state), send, held,
+                        lambda: kept_tensors(learn.model, optimizer(learn)))
 
 
 def _relayed_progress(learn: Learner, send: Callable[[tuple], None], stack: ExitStack) -> Optional[ProgressRelay]:
@@ -86,7 +87,7 @@ def _ours(value: Any) -> bool:
     return type(value).__module__.startswith("ddipp.")
 
 
-def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = None) -> List[bytes]:
+def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay], state: dict) -> List[bytes]:
     """What the fit changed, in two parts: the weights (with their gradients) and optimizer first, on their own; then
     the learner's attributes, the state of each of the fit's `callbacks` and metrics, the callbacks the fit added,
     notes on what could not be pickled (None in its place: an unpicklable attribute never costs the weights or the
@@ -96,7 +97,7 @@ def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay] = No
     if relay is not None:
         objects.update({key: relay for key, cb in list(objects.items()) if cb is relay.stands_for})
     grads = [grad_spec(p.grad) for p in learn.model.parameters()]
-    parts = [dumps(dict(model=model_state(learn.model), grads=grads, opt=learn.opt), objects=objects)]
+    parts = [dumps(dict(model=state["model"], grads=grads, opt=learn.opt), objects=objects)]
     objects["opt"] = learn.opt  # the recorder and the schedulers hold the same optimizer: the first part's
     attrs = {k: v for k, v in travelling_state(learn).items()
              if k not in _HELD and not _ours(v) and not any(v is cb for cb in learn.cbs)}
@@ -146,11 +147,11 @@ def apply_results(learn: Learner, parts: List[bytes], bar: Any, child_bar: Any, 
     objects = {**learner_objects(learn, callbacks), "bar": bar, "child_bar": child_bar}
     device = getattr(learn.dls, "device", None) or torch.device("cpu")  # PyTorch loaders leave it unset
     got = loads(parts[0], objects, device)
-    load_model_state(learn.model, got["model"])
+    load_full_state(learn.model, None, dict(model=got["model"]))
     for param, grad in zip(learn.model.parameters(), got["grads"]):
         param.grad = grad_from_spec(grad, param)
     learn.opt = got["opt"]
-    move_optimizer_state(opt_state(learn))
+    move_optimizer_state(optimizer(learn))
     objects["opt"] = learn.opt
     got = loads(parts[1], objects, device)
     vars(learn).update(got["learn"])
