@@ -11,6 +11,7 @@ import copy
 import os
 import sys
 from contextlib import ExitStack, contextmanager
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from ..core.sharding import shared_seed, unshard
 from ..core import parallel
 from ..core.options import LR_FIND_MODES, Options, check_split
 from ..core.files import UnnamedFile
-from ..core.fit import LossAndStop, meet_at_end, split_weight
+from ..core.fit import DistributedFit, LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
 from ..core.syncbn import has_batchnorm
 from ..core.state import full_state, load_full_state
@@ -293,13 +294,43 @@ def imported(module: str, *names: str) -> tuple:
     return tuple(getattr(found, name) for name in names) if found else ()
 
 
-def distributed_fit(learn):
-    """The learner's DistributedCallback while a distributed fit runs (its model wrapped, its training loader sharded),
-    else None: how other callbacks learn whether, and how, the fit they are in is distributed."""
+def distributed_fit(learn) -> Optional[DistributedFit]:
+    """The distributed fit the learner runs (its model wrapped, its training loader sharded), else None: how other
+    callbacks learn whether, and how, the fit they are in is distributed."""
+    callback = _running_callback(learn)
+    return None if callback is None else _Fit(callback)
+
+
+def _running_callback(learn) -> Optional[DistributedCallback]:
+    """The learner's DistributedCallback while a distributed fit runs, else None."""
     for cb in getattr(learn, "cbs", ()):
         if isinstance(cb, DistributedCallback) and cb.running:
             return cb
     return None
+
+
+class _Fit:
+    """ddipp.core.fit.DistributedFit of the fit a DistributedCallback runs: its rank, its strategy, and the order of
+    its sharded training loader (ShardedTrainDL or SplitTrainDL)."""
+
+    def __init__(self, callback: DistributedCallback):
+        self.rank, self.world_size, self.strategy = callback.rank, callback.world_size, callback.strategy
+        self._shard = callback.shard
+
+    @property
+    def shuffle_seed(self) -> int:
+        return self._shard.order.seed
+
+    @shuffle_seed.setter
+    def shuffle_seed(self, seed: int) -> None:
+        self._shard.order.seed = seed
+
+    @property
+    def n_items(self) -> int:
+        return self._shard.dl.n
+
+    def epoch_order(self) -> List[int]:
+        return self._shard.get_idxs()
 
 
 class _FitGuard:
@@ -369,15 +400,15 @@ class LRFinderBypassCallback(Callback):
         self.before_sweep = None  # the weights and optimizer state of this rank when the sweep began, else None
 
     def before_fit(self) -> None:
-        ddp = distributed_fit(self.learn)
-        if ddp is None or not isinstance(getattr(self.learn, "lr_finder", None),
-                                        imported("fastai.callback.schedule", "LRFinder")):
+        running = _running_callback(self.learn)
+        if running is None or not isinstance(getattr(self.learn, "lr_finder", None),
+                                            imported("fastai.callback.schedule", "LRFinder")):
             return
-        self.before_sweep = copy.deepcopy(full_state(self.learn.model, optimizer(self.learn), ddp.strategy))
-        if self.mode == "solo" and ddp.rank == 0:
-            ddp.run_alone()
+        self.before_sweep = copy.deepcopy(full_state(self.learn.model, optimizer(self.learn), running.strategy))
+        if self.mode == "solo" and running.rank == 0:
+            running.run_alone()
         elif self.mode == "distributed":
-            ddp.hide_group_from_fastai()
+            running.hide_group_from_fastai()
             steps = self.learn.lr_finder.num_it  # LRFinder stops there; fastai counted epochs on the unsharded loader
             self.learn.n_epoch = max(self.learn.n_epoch, steps // len(self.learn.dls.train) + 1)
 

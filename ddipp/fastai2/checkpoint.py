@@ -135,7 +135,7 @@ class Checkpoint(Callback):
             smooth = recorder.smooth_loss
             write_checkpoint(_plain(dict(state, epoch=epoch, step=step, train_iter=self.learn.train_iter,
                                     pct_train=self.learn.pct_train, smooth_loss=[smooth.count, smooth.val],
-                                    rngs=rngs, shuffle_seed=self._shuffle_seed(),
+                                    rngs=rngs, shuffle_seed=fit.shuffle_seed if fit else None,
                                     recorder=dict(values=recorder.values, losses=recorder.losses, lrs=recorder.lrs,
                                                   iters=recorder.iters),
                                     **self.identity, n_epochs=self.learn.n_epoch, size=len(self.learn.dls.train))),
@@ -151,14 +151,9 @@ class Checkpoint(Callback):
             self.start_rngs = None if rngs is None else rngs[2]
         else:
             self._set_rngs(rngs)
-        ddp = distributed_fit(self.learn)
-        if ddp is not None and state["shuffle_seed"] is not None:
-            ddp.shard.order.seed = state["shuffle_seed"]
-
-    def _shuffle_seed(self):
-        """The seed ddipp draws this fit's training order with, when the fit is distributed."""
-        ddp = distributed_fit(self.learn)
-        return ddp.shard.order.seed if ddp is not None else None
+        fit = distributed_fit(self.learn)
+        if fit is not None and state["shuffle_seed"] is not None:
+            fit.shuffle_seed = state["shuffle_seed"]
 
 
 def _put_trained(learn, state: dict) -> None:

@@ -4,7 +4,6 @@ from typing import Dict, Optional
 import torch
 from fastai.learner import Metric
 
-from ..core import dist as ddist
 from ..core.collectives import reduce_sum
 from .callbacks import distributed_fit
 
@@ -30,9 +29,10 @@ class SumMetric(Metric):
         self.result = None  # the value, once computed from every rank's totals
 
     def accumulate(self, learn) -> None:
-        self.distributed = distributed_fit(learn) is not None
+        fit = distributed_fit(learn)
+        self.distributed = fit is not None
         split = self.distributed and not learn.training  # a validation batch is whole on every rank, a training one not
-        rank, world_size = (ddist.rank(), ddist.world_size()) if split else (0, 1)
+        rank, world_size = (fit.rank, fit.world_size) if split else (0, 1)
         sums = self.sums(learn.pred.detach()[rank::world_size], learn.y[rank::world_size])
         self.totals = sums if self.totals is None else {k: self.totals[k] + v for k, v in sums.items()}
 

@@ -70,11 +70,11 @@ class Throughput(Callback):
 
     def _global_counts(self):
         """(samples, distinct, seconds) of this epoch's training, over all ranks."""
-        ddp = distributed_fit(self.learn)
-        if ddp is None:  # one process: its loader draws each item at most once per epoch
+        fit = distributed_fit(self.learn)
+        if fit is None:  # one process: its loader draws each item at most once per epoch
             return self.count, self.count, self.elapsed
         # the order drawn again, alike
-        return global_counts(ddp.shard.dl.n, ddp.shard.get_idxs(), self.count, self.elapsed)
+        return global_counts(fit.n_items, fit.epoch_order(), self.count, self.elapsed)
 
     def _time_one_process(self) -> float:
         """Samples/s of `compare_batches` training steps of this process alone; the model, optimizer and random
