@@ -12,8 +12,8 @@ from fastcore.foundation import L
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, fit_checkpoint, read_checkpoint,
-                               restart_state, write_checkpoint)
+from ..core.checkpoint import (FromBatch, Saved, check_every_steps, check_keep, fit_checkpoint, read_checkpoint,
+                               restart_state, save_checkpoint)
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
 from ..core.state import full_state, load_full_state
 from .callbacks import distributed_fit, imported
@@ -126,20 +126,22 @@ class Checkpoint(Callback):
     def _write(self, epoch: int, step: int) -> None:
         """The state after `epoch` epochs and `step` batches of the next (with that epoch's starting generators)."""
         self.due = False
-        # a collective: every rank takes part, rank 0 writes
+        # collectives: every rank takes part (its generators, the state the strategy reads), rank 0 writes
         rngs = every_rank([rng_state(), _loader_rng(self.learn), self.epoch_rngs if step else None])
         fit = distributed_fit(self.learn)
         state = full_state(self.learn.model, optimizer(self.learn), fit.strategy if fit else None)
-        if ddist.is_rank0():
-            recorder = self.learn.recorder
-            smooth = recorder.smooth_loss
-            write_checkpoint(_plain(dict(state, epoch=epoch, step=step, train_iter=self.learn.train_iter,
-                                    pct_train=self.learn.pct_train, smooth_loss=[smooth.count, smooth.val],
-                                    rngs=rngs, shuffle_seed=fit.shuffle_seed if fit else None,
-                                    recorder=dict(values=recorder.values, losses=recorder.losses, lrs=recorder.lrs,
-                                                  iters=recorder.iters),
-                                    **self.identity, n_epochs=self.learn.n_epoch, size=len(self.learn.dls.train))),
-                             self.file, self.keep)
+        save_checkpoint(Saved(_plain(state), epoch, step, rngs, fit.shuffle_seed if fit else None, self.identity,
+                              self.learn.n_epoch, len(self.learn.dls.train), fastai=self._fastai_state()),
+                        self.file, self.keep)
+
+    def _fastai_state(self) -> dict:
+        """What fastai v2 needs besides the model and optimizer to go on: the training iteration and its place in the
+        fit (pct_train), the smoothed loss, the recorder's lists."""
+        learn, recorder = self.learn, self.learn.recorder
+        return _plain(dict(train_iter=learn.train_iter, pct_train=learn.pct_train,
+                           smooth_loss=[recorder.smooth_loss.count, recorder.smooth_loss.val],
+                           recorder=dict(values=recorder.values, losses=recorder.losses, lrs=recorder.lrs,
+                                         iters=recorder.iters)))
 
     def _load(self, state=None):
         """The state the file holds (or `state`, read already) into the learner, its optimizer, generators, recorder."""
@@ -163,7 +165,8 @@ def _put_trained(learn, state: dict) -> None:
     if learn.opt is None:
         learn.create_opt()
     fit = distributed_fit(learn)
-    load_full_state(learn.model, optimizer(learn), state, fit.strategy if fit else None)
+    load_full_state(learn.model, optimizer(learn), dict(model=state["model"], opt=state["opt"]),
+                    fit.strategy if fit else None)
     learn.train_iter = state["train_iter"]
     recorder = learn.recorder
     recorder.smooth_loss.count, recorder.smooth_loss.val = state["smooth_loss"]
