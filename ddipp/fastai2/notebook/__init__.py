@@ -12,7 +12,7 @@ How one fit flows (each box a module of this package, or of ddipp.core.group)::
                                                               (core.group.fitting: what both adapters do around it)
                        progress.ProgressMirror  <======= progress.ProgressRelay (rank 0's bars and table)
                        (prints)                 <======= core.group.output (rank 0's prints and warnings)
-                       fitting.apply_results    <======= rank 0's weights, optimizer, learner and callback state
+                       fitting.apply_results    <======= rank 0's weights, optimizer state, learner and callbacks
 
 fit_one_cycle, fine_tune, fit_flat_cos and lr_find call `learn.fit`, so each of their fits runs on the group; what
 they do around it (freezing, schedules, lr_find's suggestions and plot) runs in the notebook, as in plain fastai.

@@ -2,9 +2,10 @@
 
 The notebook's learner travels with everything but its data (which the workers already keep); the fit runs with
 ddipp's callbacks as in a launched script; rank 0 sends back what a local fit would have changed: the weights and the
-optimizer, the learner's attributes (final_record, epoch, ...), the state of every callback of the fit (the
+optimizer's state, the learner's attributes (final_record, epoch, ...), the state of every callback of the fit (the
 recorder's losses and values, SaveModelCallback's best, CSVLogger's file name, the progress bar) and of every metric,
-each put back on the notebook's own objects, so a callback the user holds sees what the fit did to it.
+each put back on the notebook's own objects (its optimizer too), so a callback the user holds sees what the fit did
+to it.
 """
 import sys
 from contextlib import ExitStack
@@ -19,7 +20,7 @@ from ...core.options import Options
 from ...core.group.fitting import fit_and_keep, received_fit
 from ...core.group.wire import (HeldTensors, dumps, fit_request, grad_from_spec, grad_spec, loads, travelling_state,
                                 without_unpicklable)
-from ...core.state import full_state, kept_tensors, load_full_state, move_optimizer_state
+from ...core.state import full_state, kept_tensors, load_full_state
 from ..learner import distribute
 from ..state import optimizer
 from .progress import ProgressRelay
@@ -88,17 +89,17 @@ def _ours(value: Any) -> bool:
 
 
 def results(learn: Learner, callbacks: list, relay: Optional[ProgressRelay], state: dict) -> List[bytes]:
-    """What the fit changed, in two parts: the weights (with their gradients) and optimizer first, on their own; then
-    the learner's attributes, the state of each of the fit's `callbacks` and metrics, the callbacks the fit added,
-    notes on what could not be pickled (None in its place: an unpicklable attribute never costs the weights or the
-    recorder). What held the `relay` (learn.logger, CSVLogger's old_logger) comes back holding the ProgressCallback it
-    stood for, and that ProgressCallback with the relay's state."""
+    """What the fit changed, in two parts: the learner's whole `state` (full_state: weights and optimizer state) with
+    the gradients first, on their own; then the learner's attributes, the state of each of the fit's `callbacks` and
+    metrics, the callbacks the fit added, notes on what could not be pickled (None in its place: an unpicklable
+    attribute never costs the weights or the recorder). What held the `relay` (learn.logger, CSVLogger's old_logger)
+    comes back holding the ProgressCallback it stood for, and that ProgressCallback with the relay's state."""
     objects = learner_objects(learn, callbacks)
+    objects["opt"] = learn.opt  # what holds the optimizer (a callback) gets the notebook's own
     if relay is not None:
         objects.update({key: relay for key, cb in list(objects.items()) if cb is relay.stands_for})
     grads = [grad_spec(p.grad) for p in learn.model.parameters()]
-    parts = [dumps(dict(model=state["model"], grads=grads, opt=learn.opt), objects=objects)]
-    objects["opt"] = learn.opt  # the recorder and the schedulers hold the same optimizer: the first part's
+    parts = [dumps(dict(state=state, grads=grads), objects=objects)]
     attrs = {k: v for k, v in travelling_state(learn).items()
              if k not in _HELD and not _ours(v) and not any(v is cb for cb in learn.cbs)}
     states = dict(learn=attrs, cbs=[_state(cb, relay) for cb in callbacks], metrics=[vars(m) for m in learn.metrics],
@@ -147,11 +148,11 @@ def apply_results(learn: Learner, parts: List[bytes], bar: Any, child_bar: Any, 
     objects = {**learner_objects(learn, callbacks), "bar": bar, "child_bar": child_bar}
     device = getattr(learn.dls, "device", None) or torch.device("cpu")  # PyTorch loaders leave it unset
     got = loads(parts[0], objects, device)
-    load_full_state(learn.model, None, dict(model=got["model"]))
+    if got["state"]["opt"] is not None and learn.opt is None:  # the fit made the workers' learner one
+        learn.create_opt()
+    load_full_state(learn.model, optimizer(learn), got["state"])
     for param, grad in zip(learn.model.parameters(), got["grads"]):
         param.grad = grad_from_spec(grad, param)
-    learn.opt = got["opt"]
-    move_optimizer_state(optimizer(learn))
     objects["opt"] = learn.opt
     got = loads(parts[1], objects, device)
     vars(learn).update(got["learn"])

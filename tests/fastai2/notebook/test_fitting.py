@@ -1,6 +1,8 @@
 """fastai v2 notebook mode: a learner bound with to_ddp(nprocs=2) in this plain process fits on a worker group and is
 left as a local fit with the global batch leaves it (workers/fit_story.py, played here in one process as reference)."""
+import io
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -21,6 +23,8 @@ from fit_story import (changes_between_fits, digits_dls, digits_learner, history
 
 import ddipp
 from ddipp.core.group.group import WorkerError, _groups
+from ddipp.fastai2.notebook import binding as notebook_binding
+from ddipp.fastai2.notebook.fitting import apply_results
 
 CPU2 = ("cpu", "cpu")
 PHASES = ["fit", "frozen", "unfrozen", "fine_tune"]  # fit_one_cycle; freeze + fit; unfreeze + fit_flat_cos; fine_tune
@@ -280,20 +284,43 @@ class FailAt(Callback):
 
 
 def _failed_then_refit(learn, rank):
-    """Fit 1 epoch, 2 failing on `rank` at step 5 of epoch 1, then 1 more: what the last two left."""
+    """Fit 1 epoch, 2 failing on `rank` at step 5 of epoch 1, then 1 more: what the last two left, and whether the
+    learner still has the optimizer its first fit made."""
     learn.fit(1, 1e-2)
+    opt = learn.opt
     with pytest.raises(ValueError, match="fails on purpose"):
         learn.fit(2, 1e-2, cbs=FailAt(rank))
-    failed = dict(history(learn), params=params(learn), epoch=learn.epoch,
-                  opt=[t.clone() for state in learn.opt.state.values() for t in state.values() if torch.is_tensor(t)])
+    failed = dict(history(learn), params=params(learn), epoch=learn.epoch, opt=_opt_tensors(learn))
     learn.fit(1, 1e-2)
-    return failed, dict(history(learn), params=params(learn))
+    return failed, dict(history(learn), params=params(learn), opt=_opt_tensors(learn), same_opt=learn.opt is opt,
+                        hypers=[dict(h) for h in learn.opt.hypers])
+
+
+def _opt_tensors(learn):
+    """The optimizer's state tensors, parameter by parameter."""
+    return [t.clone() for state in learn.opt.state_dict()["state"] for t in state.values() if torch.is_tensor(t)]
+
+
+class RefusesOptimizers(pickle.Unpickler):
+    """Reads a part of a fit's results, any fastai optimizer in it refused (references read as None)."""
+
+    def persistent_load(self, pid):
+        return None
+
+    def find_class(self, module, name):
+        if module.startswith("fastai.optimizer"):
+            raise pickle.UnpicklingError(f"the results hold a {module}.{name}")
+        return super().find_class(module, name)
 
 
 @pytest.mark.slow
-def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(notebook, tmp_path, capsys):
+def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(notebook, tmp_path, capsys, monkeypatch):
     """As a local fit that fails: the weights, optimizer state and recorder of the last completed step (epoch 0 and 6
-    steps of epoch 1), learn.epoch 1; the same workers run the next fit, which goes on as one process goes on."""
+    steps of epoch 1), learn.epoch 1; the same workers run the next fit, which goes on as one process goes on. The
+    optimizer's state comes back into the learner's own optimizer, never the workers' optimizer object."""
+    weights = []  # the first part of each fit's results: the weights and the optimizer's state
+    monkeypatch.setattr(notebook_binding, "apply_results",
+                        lambda learn, parts, *args: weights.append(parts[0]) or apply_results(learn, parts, *args))
     learn = digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2)
     workers = [p.pid for p in _groups[CPU2].procs]
     failed, refit = _failed_then_refit(learn, rank=1)
@@ -309,6 +336,9 @@ def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(notebook, 
             f"(step {steps} of the fit, in epoch 1)") in err
     assert [p.pid for p in _groups[CPU2].procs] == workers
     assert max_diff(refit["params"], local_refit["params"]) <= TOL and close(refit["values"], local_refit["values"])
+    assert refit["same_opt"] and local_refit["same_opt"] and close(refit["hypers"], local_refit["hypers"])
+    assert len(refit["opt"]) == len(local_refit["opt"]) > 0 and max_diff(refit["opt"], local_refit["opt"]) <= TOL
+    assert len(weights) == 3 and all(RefusesOptimizers(io.BytesIO(part)).load()["state"] for part in weights)
 
 
 class DiesOnRank0(Callback):
