@@ -2,14 +2,16 @@
 
 How one fit flows (each box a module of this package, or of ddipp.core.group)::
 
-    notebook                                          worker process (one per rank, fresh interpreter)
-    --------                                          ------------------------------------------------
+    notebook                                          worker process (one per rank: forked from the kernel's
+    --------                                          fork server, or a fresh interpreter: core.group.forkserver)
+                                                      ------------------------------------------------------
     learn.fit(...)  -> binding.fit_on_group -> core.group.binding.fit_on_group
                     -> fitting.fit_call   (the learner and the fit's callbacks as bytes: shipping; tensors
                                            the workers kept from the last fit, as digests)
                     -> core.group.WorkerGroup  ==socket==> core.group.worker.Worker (its command loop)
-                                                           -> fitting.run_fit: learn.to_ddp(), learn.fit(...)
-                                                              (core.group.fitting: what both adapters do around it)
+                                                           -> fitting.run_fit: learner.distribute(), learn.fit(...)
+                                                              (core.group.fitting: what both adapters do around it;
+                                                              core.state.full_state on every rank after it)
                        progress.ProgressMirror  <======= progress.ProgressRelay (rank 0's bars and table)
                        (prints)                 <======= core.group.output (rank 0's prints and warnings)
                        fitting.apply_results    <======= rank 0's weights, optimizer state, learner and callbacks
