@@ -1,10 +1,10 @@
-"""ddipp.core.ddp.notebook_devices: what to_ddp(nprocs=..., gpus=...) of a notebook asks for, refused in one line
+"""ddipp.core.options.notebook_devices: what to_ddp(nprocs=..., gpus=...) of a notebook asks for, refused in one line
 naming the value and the limit when this host cannot run it."""
 import re
 
 import pytest
 
-from ddipp.core.ddp import notebook_devices
+from ddipp.core.options import notebook_devices
 
 
 def test_more_cpu_processes_than_the_memory_holds_are_refused_naming_the_limit():

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.utils.data import RandomSampler, SequentialSampler
 
-from ddipp.core.ddp import check_options, check_split, say_global_batch
+from ddipp.core.group.binding import say_global_batch
+from ddipp.core.options import check_split
 from ddipp.core.sharding import SplitBatchSampler
 
 
@@ -65,11 +66,6 @@ def test_split_fits_that_can_train_pass_the_checks():
     check_split(64, 3, 21, True, False)
     check_split(4, 3, 1, True, True)  # SyncBatchNorm's statistics are over the whole batch
     check_split(4, 3, 0, False, False)  # no BatchNorm: an empty part trains nothing (its loss weighs 0)
-
-
-def test_split_batches_must_be_a_bool():
-    with pytest.raises(ValueError, match=r"to_ddp\(split_batches='yes'\): True \(the loader's batch is the global"):
-        check_options("solo", 600, "yes")
 
 
 def test_the_global_batch_line_names_the_option_or_the_split(capsys):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ddipp.core.group import binding, forkserver
 from ddipp.core.group.group import SpawnedWorker, WorkerError, _groups, group_for, shutdown
 from ddipp.core.group.wire import pickled_data
+from ddipp.core.options import Options
 from test_group import fit, summed
 
 CPU2 = ("cpu", "cpu")
@@ -128,6 +129,7 @@ KERNEL = textwrap.dedent("""
     from ddipp.core.group import forkserver
     from ddipp.core.group.group import group_for
     from ddipp.core.group.wire import pickled_data
+from ddipp.core.options import Options
     group = group_for(("cpu", "cpu"), 600, "torch_fitting")
     group.fit(pickled_data(torch.arange(4.0), "data"), cloudpickle.dumps(lambda data, device: None), {}, None)
     print("pids", forkserver.server().proc.pid, *[proc.pid for proc in group.procs], flush=True)
@@ -197,7 +199,7 @@ def _restart_count_after_death(marker: str):
 def test_each_fit_restarted_once_runs_its_restart_as_restart_1(server, tmp_path, capsys):
     """A bound learner's second fit restarted once ran as torch elastic's restart 2 (the count climbed across fits)."""
     learn, counts = _Bound(), []
-    binding.bind(learn, CPU2, 60, {}, binding.fit_on_group, FITTING, restarts=1)
+    binding.bind(learn, CPU2, Options(timeout=60, restarts=1), binding.fit_on_group, FITTING)
     for n in (1, 2):
         call = cloudpickle.dumps(_restart_count_after_death(str(tmp_path / f"died{n}")))
         learn.fit("data", lambda held: call, None, lambda results: counts.append(cloudpickle.loads(results[0])),

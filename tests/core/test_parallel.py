@@ -1,11 +1,12 @@
-"""ddipp.core.ddp's wrap: the DDP wrapper of a fit's model passes on what callbacks ask of the model."""
+"""ddipp.core.parallel.DDP's wrap: the DDP wrapper of a fit's model passes on what callbacks ask of the model."""
 from contextlib import ExitStack
 
 import pytest
 import torch.distributed as dist
 from torch import nn
 
-from ddipp.core.ddp import wrap
+from ddipp.core import parallel
+from ddipp.core.options import Options
 
 
 class Head(nn.Module):
@@ -29,7 +30,7 @@ def test_what_the_ddp_wrapper_lacks_reads_and_writes_through_to_the_model(tmp_pa
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with ExitStack() as undo:
-            wrapped = wrap(model, undo, sync_bn=False, find_unused_parameters=None)
+            wrapped = parallel.DDP(Options()).wrap(model, None, undo)
             assert wrapped.tst is model.tst and wrapped.scale == 2.0
             wrapped.reset()
             wrapped.scale = 3.0  # the model's attribute: written to the model
@@ -49,10 +50,10 @@ def test_indexing_the_wrapped_model_indexes_the_model(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with ExitStack() as undo:
-            wrapped = wrap(model, undo, sync_bn=False, find_unused_parameters=None)
+            wrapped = parallel.DDP(Options()).wrap(model, None, undo)
             assert wrapped[0] is model[0] and list(wrapped[1:]) == list(model[1:]) and bool(wrapped)
         with ExitStack() as undo:
             with pytest.raises(TypeError, match="'Linear' object is not subscriptable"):
-                wrap(nn.Linear(2, 1), undo, sync_bn=False, find_unused_parameters=None)[0]
+                parallel.DDP(Options()).wrap(nn.Linear(2, 1), None, undo)[0]
     finally:
         dist.destroy_process_group()
