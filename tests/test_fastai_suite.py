@@ -55,22 +55,26 @@ def _merged(tmp_path, body: str, ranks: int = 2, exit_code: int = 1, log: str = 
     return fastai_ddp_suite.merge([fastai_ddp_suite.rank_outcome(x) for x in xmls], exit_code, log)
 
 
+@pytest.mark.slow
 def test_a_fastai_test_under_ddp_passes_only_when_every_rank_passes_it(tmp_path):
     assert _merged(tmp_path, "assert rank >= 0", exit_code=0) == ("passed", "")
 
 
+@pytest.mark.slow
 def test_a_fastai_test_failing_on_one_rank_only_is_reported_failed_with_that_ranks_first_error_line(tmp_path):
     """The launcher's exit status is not trusted: rank 1's junit file alone says the test failed there."""
     result, detail = _merged(tmp_path, "assert rank == 0, 'only rank 0 has the table\\nsecond line'", exit_code=0)
     assert (result, detail) == ("failed", "rank 1: AssertionError: only rank 0 has the table")
 
 
+@pytest.mark.slow
 def test_a_fastai_test_failing_on_one_rank_is_reported_with_that_ranks_error_not_the_lost_peer_of_another(tmp_path):
     """Rank 1 fails its assertion and exits; rank 0's next collective then fails for want of its peer."""
     body = "assert rank == 0 or False, 'the cause'\n    raise RuntimeError('pair.cc:561] Connection closed by peer')"
     assert _merged(tmp_path, body) == ("failed", "rank 1: AssertionError: the cause")
 
 
+@pytest.mark.slow
 def test_a_fastai_test_skipped_on_every_rank_is_reported_skipped_with_its_reason(tmp_path):
     assert _merged(tmp_path, "pytest.skip('needs a download')", exit_code=0) == ("skipped", "needs a download")
 

@@ -167,6 +167,7 @@ def bad_input_runs(tmp_path_factory):
     return {args: (*finish(proc), time.monotonic() - start) for args, proc in procs.items()}, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", BAD_INPUT, ids=lambda args: " ".join(map(str, args)).replace(str(ECHO), "echo.py"))
 def test_bad_input_fails_at_once_with_one_line(bad_input_runs, args):
     runs, out = bad_input_runs
@@ -178,6 +179,7 @@ def test_bad_input_fails_at_once_with_one_line(bad_input_runs, args):
 
 
 
+@pytest.mark.slow
 def test_a_master_port_in_use_is_refused_before_any_worker_starts(tmp_path):
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     out.mkdir(), tmp.mkdir()
@@ -236,12 +238,14 @@ def held(proc: subprocess.Popen, out: Path, tmp: Path) -> tuple:
             {path: path.read_text() for path in tmp.rglob("*") if path.is_file()})
 
 
+@pytest.mark.slow
 def test_two_launches_at_once_both_succeed(two_launches):
     for run in two_launches:
         assert run.rc == 0, run.stderr[-3000:]
     assert len({run.store_port for run in two_launches}) == 2
 
 
+@pytest.mark.slow
 def test_every_rank_gets_its_env_and_the_script_args(two_launches):
     for run, timeout in zip(two_launches, ["42.5", "600"]):
         for rank in range(2):
@@ -253,6 +257,7 @@ def test_every_rank_gets_its_env_and_the_script_args(two_launches):
                                 args=["--epochs", "4", "--nproc", "7"], sum_of_ranks_plus_one=3)
 
 
+@pytest.mark.slow
 def test_nothing_of_a_one_host_launch_listens_beyond_loopback(two_launches):
     for run in two_launches:
         pids = {pid for pid, _, _ in run.listening}
@@ -262,6 +267,7 @@ def test_nothing_of_a_one_host_launch_listens_beyond_loopback(two_launches):
         assert beyond == []
 
 
+@pytest.mark.slow
 def test_the_store_is_not_reachable_from_the_network(two_launches):
     for run in two_launches:
         assert run.connections.pop("127.0.0.1") == "accepted"
@@ -270,6 +276,7 @@ def test_the_store_is_not_reachable_from_the_network(two_launches):
         assert set(run.connections.values()) == {"refused"}, run.connections
 
 
+@pytest.mark.slow
 def test_only_rank0_prints_and_the_others_log_to_the_printed_files(two_launches):
     run = two_launches[0]
     assert "stdout of rank 0" in run.stdout and "stdout of rank 1" not in run.stdout
@@ -283,12 +290,14 @@ def test_only_rank0_prints_and_the_others_log_to_the_printed_files(two_launches)
     assert "stderr of rank 1" in run.files[err_log]
 
 
+@pytest.mark.slow
 def test_a_successful_launch_leaves_nothing_in_the_temp_folder(two_launches):
     for run in two_launches:
         assert run.files and all(path.is_relative_to(run.tmp) for path in run.files)  # logs while it ran
         assert not list(run.tmp.iterdir())
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_keeps_the_logs(tmp_path):
     start = time.monotonic()
     rc, stdout, stderr = finish(launch("--nproc", 2, "--max-restarts", 1, FAIL, tmp=tmp_path))
@@ -308,6 +317,7 @@ def test_a_failing_rank_ends_the_launch_shows_its_traceback_and_keeps_the_logs(t
     assert left == []
 
 
+@pytest.mark.slow
 def test_the_failing_ranks_error_comes_first_and_the_rank_it_stopped_says_so_in_one_line(tmp_path):
     rc, stdout, stderr = finish(launch("--nproc", 2, PEER_FAIL, tmp=tmp_path))
     assert rc == 1
@@ -324,6 +334,7 @@ def test_the_failing_ranks_error_comes_first_and_the_rank_it_stopped_says_so_in_
                                                                                       "call last):"]
 
 
+@pytest.mark.slow
 def test_a_rank_that_raised_and_was_still_exiting_when_the_rank_it_stopped_ended_is_reported_first(tmp_path):
     # elastic reports only the ranks that ended before it stopped the group: here rank 0 alone
     rc, _, stderr = finish(launch("--nproc", 2, PEER_FAIL, "stuck-exiting", tmp=tmp_path))
@@ -381,6 +392,7 @@ def test_the_launcher_exits_with_the_status_every_rank_that_failed_on_its_own_ex
     assert _report(failures, {rank: str(tmp_path / f"log{rank}") for rank in failures}) == status
 
 
+@pytest.mark.slow
 def test_a_restarted_group_forms_and_one_that_cannot_fails_within_the_timeout_naming_the_absent_rank(tmp_path):
     rc, stdout, stderr = finish(launch("--nproc", 2, "--max-restarts", 2, "--timeout", 15, RESTART, tmp=tmp_path))
     assert rc == 0, stderr[-3000:]  # attempt 2 ended well on both ranks
@@ -427,6 +439,7 @@ def test_a_rank_stopped_before_its_traceback_is_printed_is_reported_first_with_i
         "ValueError: rank 1 fails on purpose", f"{PROG}: rank 0 stopped because rank 1 failed"], said
 
 
+@pytest.mark.slow
 def test_two_nodes_form_one_group(tmp_path):
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     out.mkdir(), tmp.mkdir()

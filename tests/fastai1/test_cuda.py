@@ -36,6 +36,7 @@ def test_a_launched_rank_trains_on_the_listed_gpu_with_nccl(tmp_path, cpu_fit):
     assert close(got["history"], cpu_fit[0], GPU_TOL) and max_diff(got["params"], cpu_fit[1]) <= GPU_TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forked", [False, True], ids=["spawned", "forked"])
 def test_notebook_mode_on_a_gpu_after_this_process_used_cuda(tmp_path, cpu_fit, forked):
     """Forked: the workers come from a kernel's fork server, which must not have touched CUDA."""
@@ -55,6 +56,7 @@ def test_notebook_mode_on_a_gpu_after_this_process_used_cuda(tmp_path, cpu_fit, 
     assert max_diff([p.cpu() for p in params(learn)], cpu_fit[1]) <= GPU_TOL
 
 
+@pytest.mark.slow
 def test_mixed_precision_in_a_notebook_fit_on_a_gpu_trains_as_a_local_one(tmp_path):
     """fastai's MixedPrecision (to_fp16) among the callbacks a notebook-mode fit runs (issue 13's list)."""
     here = torch.device("cuda", 0)

@@ -217,6 +217,7 @@ def _trained(path, bs, setup, fit, bound):
     return learn, files
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CALLBACKS)
 def test_a_fastai_callback_in_a_notebook_fit_gives_what_a_local_fit_gives(tmp_path, name):
     setup, fit = CALLBACKS[name]
