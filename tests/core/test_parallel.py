@@ -1,12 +1,28 @@
-"""ddipp.core.parallel.DDP's wrap: the DDP wrapper of a fit's model passes on what callbacks ask of the model."""
+"""ddipp.core.parallel: DDP's wrapper of a fit's model passes on what callbacks ask of the model; another Strategy put
+in DDP's place (tests/core/workers/stub_strategy.py's HandAveraged) trains as DDP does, on 2 ranks (`core_ranks`)."""
 from contextlib import ExitStack
 
 import pytest
 import torch.distributed as dist
 from torch import nn
 
+from compare import TOL
 from ddipp.core import parallel
 from ddipp.core.options import Options
+from test_state import state_diff
+
+
+@pytest.mark.slow
+def test_a_strategy_put_in_ddps_place_is_the_one_a_fit_uses_and_trains_as_ddp(core_ranks):
+    """parallel.strategy swapped for a lambda making HandAveraged: the loop of an adapter's DistributedCallback
+    (strategy(options), wrap, steps, full_state through it) trains the same model and Adam state as DDP on both ranks,
+    and the hooks it added are gone once the fit's undo ran."""
+    (r0, r1), _ = core_ranks
+    for rank in (r0, r1):
+        stub, ddp = rank["stub_fit"], rank["ddp_fit"]
+        assert (stub["strategy"], ddp["strategy"]) == ("HandAveraged", "DDP")
+        assert state_diff(stub["state"], r0["ddp_fit"]["state"]) <= TOL
+        assert stub["hooked"] == (True, False) and ddp["hooked"] == (False, False)
 
 
 class Head(nn.Module):

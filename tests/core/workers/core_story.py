@@ -107,3 +107,27 @@ def bn_train(model: nn.Module, part=slice(None), trained=None, validate=True) ->
     return dict(running_mean=bn.running_mean.clone(), running_var=bn.running_var.clone(),
                 batches_tracked=int(bn.num_batches_tracked), params=[p.detach().clone() for p in model.parameters()],
                 valid_loss=valid_loss)
+
+
+# 4. A fit's whole state through its Strategy
+
+STATE_STEPS, STATE_BS = 3, 16  # Adam steps before the state is read, on global batches of 16
+
+
+def state_batches():
+    """STATE_STEPS + 1 global batches (inputs, targets) for embedding_net: the last is the step after a load."""
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(STATE_BS, 8, generator=g), torch.randn(STATE_BS, 4, generator=g))
+            for _ in range(STATE_STEPS + 1)]
+
+
+def adam(model: nn.Module, lr: float = 0.01) -> torch.optim.Adam:
+    return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+def adam_steps(trained: nn.Module, opt: torch.optim.Optimizer, batches, part=slice(None)) -> None:
+    """One Adam step of mean squared error a batch, taking the `part` of each (a rank's half)."""
+    for x, y in batches:
+        opt.zero_grad()
+        F.mse_loss(trained(x[part]), y[part]).backward()
+        opt.step()

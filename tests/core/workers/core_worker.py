@@ -1,7 +1,10 @@
-"""Launched on 2 CPU ranks by tests/core/test_collectives.py, test_syncbn.py and test_fit.py (`core_ranks`):
-ddipp.core's collectives, SyncBatchNorm and a step's loss all-reduce in plain torch; rank r saves what it saw in
+"""Launched on 2 CPU ranks by tests/core/test_collectives.py, test_syncbn.py, test_fit.py, test_state.py and
+test_parallel.py (`core_ranks`): ddipp.core's collectives, SyncBatchNorm, a step's loss all-reduce, and a fit's whole
+state read and loaded through its Strategy (DDP, and a stub in its place) in plain torch; rank r saves what it saw in
 OUT/rank{r}.pt."""
+import copy
 import sys
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,12 +15,16 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from core_story import (bn_model, bn_train, embedding_net, features, losses_and_grads, moment_sums,  # noqa: E402
-                        pair_batch)
+from core_story import (STATE_BS, STATE_STEPS, adam, adam_steps, bn_model, bn_train, embedding_net,  # noqa: E402
+                        features, losses_and_grads, moment_sums, pair_batch, state_batches)
 from ddipp.core import dist as ddist  # noqa: E402
+from ddipp.core import parallel  # noqa: E402
 from ddipp.core.collectives import all_gather, reduce_sum  # noqa: E402
 from ddipp.core.fit import LossAndStop  # noqa: E402
+from ddipp.core.options import Options  # noqa: E402
+from ddipp.core.state import full_state, load_full_state  # noqa: E402
 from ddipp.core.syncbn import convert_sync_bn  # noqa: E402
+from stub_strategy import HandAveraged  # noqa: E402
 
 out = Path(sys.argv[1])
 assert ddist.init()
@@ -69,4 +76,40 @@ for stop in (False, True):
     loss, stopping = step_loss.result()
     res["loss_and_stop"].append((float(loss), stopping))
 ddist.request_stop(False)
+
+batches, state_half = state_batches(), slice(rank * STATE_BS // 2, (rank + 1) * STATE_BS // 2)
+
+
+def adapter_fit():
+    """What an adapter's DistributedCallback does with a fit's strategy, in plain torch: built by parallel.strategy,
+    the model wrapped for the fit (this rank's half of each batch) and put back after it, its whole state read through
+    the strategy; the strategy's class name, the state, and whether a parameter had a hook during the fit and after."""
+    strategy = parallel.strategy(Options())
+    net = embedding_net()
+    opt = adam(net)
+    with ExitStack() as undo:
+        model = strategy.wrap(net, opt, undo)
+        adam_steps(model, opt, batches[:STATE_STEPS], state_half)
+        state = copy.deepcopy(full_state(model, opt, strategy))
+        hooked = any(p._post_accumulate_grad_hooks for p in net.parameters())
+    return dict(strategy=type(strategy).__name__, state=state,
+                hooked=(hooked, any(p._post_accumulate_grad_hooks for p in net.parameters())))
+
+
+res["ddp_fit"] = adapter_fit()
+chosen = parallel.strategy
+parallel.strategy = lambda options: HandAveraged(options)
+try:
+    res["stub_fit"] = adapter_fit()
+finally:
+    parallel.strategy = chosen
+
+ddp, net = parallel.DDP(Options()), embedding_net()
+opt = adam(net, lr=1.0)  # a fresh optimizer, its own learning rate: the state loaded brings 0.01 back
+with ExitStack() as undo:
+    model = ddp.wrap(net, opt, undo)
+    load_full_state(model, opt, copy.deepcopy(res["ddp_fit"]["state"]), ddp)  # torch's optimizer takes its tensors
+    res["loaded"] = copy.deepcopy(dict(model=net.state_dict(), opt=opt.state_dict()))
+    adam_steps(model, opt, batches[STATE_STEPS:], state_half)
+    res["after_load"] = copy.deepcopy(full_state(model, opt, ddp))
 torch.save(res, out / f"rank{rank}.pt")
