@@ -79,6 +79,19 @@ def test_the_loss_of_each_step_is_the_global_batchs_on_every_rank(ranks, referen
 
 
 @pytest.mark.slow
+def test_a_second_strategy_trains_through_the_adapter_unchanged_as_ddp_does(ranks, reference):
+    """tests/core/workers/stub_strategy.py's HandAveraged (each gradient averaged by a hook, no DDP) in place of
+    ddipp.core.parallel.strategy, with no change to the adapter: its fit equals one process's on the global batch, and
+    the adapter asked it to wrap each fit (fit_one_cycle, lr_find, the resumed fit), to read the whole state on every
+    rank (the Checkpoint after each epoch, the sweep's start) and to load it (the sweep's end, the resume)."""
+    (r0, r1), _ = ranks
+    stub = r0["second_strategy"]
+    assert max_diff(stub["params"], r1["second_strategy"]["params"]) == 0
+    assert max_diff(stub["params"], reference["params_fit"]) <= TOL
+    assert stub["calls"] == r1["second_strategy"]["calls"] == dict(wrap=3, full_state=3, load_full_state=2)
+
+
+@pytest.mark.slow
 def test_validate_and_get_preds_between_fits_cover_the_whole_set_on_every_rank(ranks, reference):
     (r0, r1), _ = ranks
     assert r0["story"]["validate"] == r1["story"]["validate"]

@@ -17,6 +17,7 @@ from fastai.callback.tracker import SaveModelCallback  # noqa: E402
 from fit_story import (ReversedDL, digits_dls, digits_learner, failed_fit, orders, refused,  # noqa: E402
                        saved_and_exported, story, sweep, tabular_digits_learner, tiny_valid,
                        torch_batches_learner)
+from strategy_story import second_strategy  # noqa: E402
 from torch_loaders import torch_story  # noqa: E402
 
 out = Path(sys.argv[1])
@@ -44,6 +45,11 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     res["too_large_bs"] = refused(lambda: digits_learner(digits_dls(bs=16, n_train=20), out / "bad").to_ddp())
     res["torch_batches"] = refused(lambda: torch_batches_learner(out / "bad").to_ddp())
     res["saved"] = saved_and_exported(tabular_digits_learner(out / "tabular", bs=16).to_ddp(sync_bn=True))
+    res["second_strategy"] = second_strategy(
+        lambda: digits_learner(digits_dls(bs=16), out / "strategy").to_ddp(lr_find_mode="distributed"),
+        fit=lambda learn: learn.fit_one_cycle(1, 1e-2, cbs=ddipp.Checkpoint("stub")),
+        sweep=lambda learn: learn.lr_find(num_it=5, show_plot=False),
+        resume=lambda learn: learn.fit(2, 1e-3, cbs=ddipp.Checkpoint("stub"), start_epoch=1))
     torch.save(res, out / f"rank{rank}.pt")
     learn = digits_learner(digits_dls(bs=16), out / "fail").to_ddp()
     learn.fit(1, 1e-2, cbs=SaveModelCallback(fname="best"))  # writes models/best.pth, which the next after_fit loads
