@@ -38,6 +38,21 @@ def test_recorder_is_identical_on_every_rank_and_equals_one_process(ranks, refer
 
 
 @pytest.mark.slow
+def test_a_second_strategy_trains_through_the_adapter_unchanged_as_ddp_does(ranks, tmp_path):
+    """tests/core/workers/stub_strategy.py's HandAveraged (each gradient averaged by a hook, no DDP) in place of
+    ddipp.core.parallel.strategy, with no change to the adapter: its fit equals one process's on the global batch, and
+    the adapter asked it to wrap each fit (fit_one_cycle, lr_find, the resumed fit), to read the whole state on every
+    rank (the Checkpoint after each epoch) and to load it (the resume)."""
+    (r0, r1), _ = ranks
+    single = digits_learner(digits_data(tmp_path, bs=32))
+    single.fit_one_cycle(1, 1e-2)
+    stub = r0["second_strategy"]
+    assert max_diff(stub["params"], r1["second_strategy"]["params"]) == 0
+    assert max_diff(stub["params"], [p.detach() for p in single.model.parameters()]) <= TOL
+    assert stub["calls"] == r1["second_strategy"]["calls"] == dict(wrap=3, full_state=2, load_full_state=1)
+
+
+@pytest.mark.slow
 def test_validate_and_get_preds_between_fits_cover_the_whole_set(ranks, reference):
     (r0, r1), _ = ranks
     assert r0["story"]["validate_before"] == r1["story"]["validate_before"]

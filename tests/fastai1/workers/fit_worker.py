@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 import ddipp  # noqa: E402
 from scenario import (EpochOrders, between_fits, csv_fits, decisions, digits_data, digits_learner,  # noqa: E402
                       evaluation, exported, failed_fit, story, sweep, swept_state, tabular_digits_learner)
+from strategy_story import second_strategy  # noqa: E402
 
 rank = ddipp.rank()
 with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log):
@@ -39,6 +40,11 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     res["decisions"] = decisions(digits_learner(digits_data(out / "work", bs=16)).to_ddp())
     res["exported"] = exported(tabular_digits_learner(out / "work").to_ddp())
     res["between_fits"] = between_fits(digits_learner(digits_data(out / "work", bs=16)).to_ddp(), bs=16)
+    res["second_strategy"] = second_strategy(
+        lambda: digits_learner(digits_data(out / "strategy", bs=16)).to_ddp(lr_find_mode="distributed"),
+        fit=lambda learn: learn.fit_one_cycle(1, 1e-2, callbacks=[ddipp.Checkpoint(learn, "stub")]),
+        sweep=lambda learn: learn.lr_find(num_it=5),
+        resume=lambda learn: learn.fit_one_cycle(2, 1e-3, start_epoch=1, callbacks=[ddipp.Checkpoint(learn, "stub")]))
     alone = digits_learner(digits_data(out / "work", bs=16)).to_ddp()
     alone.fit(1, 1e-2)
 torch.save(res, out / f"rank{rank}.pt")
