@@ -1,4 +1,6 @@
 """How the tests compare a 2-rank number with one process's: lengths and shapes first, then values within TOL."""
+import torch
+
 TOL = 1e-5  # how close a 2-rank number must be to the one-process number (float summation order differs)
 
 
@@ -21,3 +23,12 @@ def close(a, b, tol=TOL) -> bool:
     if a is None or isinstance(a, (bool, str)):
         return a == b
     return abs(float(a) - float(b)) <= tol
+
+
+def assert_same_tensors(a, b) -> None:
+    """Two lists of tensors equal to the bit: an AssertionError naming the first mismatch of length, shape or value."""
+    a, b = list(a), list(b)
+    assert len(a) == len(b), f"{len(a)} tensors against {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.shape == y.shape, f"tensor {i}: shape {tuple(x.shape)} against {tuple(y.shape)}"
+        assert torch.equal(x, y), f"tensor {i} differs by up to {float((x.double() - y.double()).abs().max())}"

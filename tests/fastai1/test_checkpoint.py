@@ -21,6 +21,7 @@ from ddipp.core.group.group import shutdown
 from ddipp.core.rng import seed_all
 from compare import TOL, close, max_diff
 from scenario import digits_data, digits_learner, history, params
+from stories import RunsCode
 
 
 @pytest.mark.slow
@@ -78,16 +79,6 @@ def test_a_write_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monk
     assert [p.name for p in path.parent.iterdir()] == ["ckpt.pth"]
 
 
-class _RunsCode:
-    """What an attacker could put in a replaced checkpoint file: unpickling it runs a command."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
 def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tmp_path):
     from functools import partial
 
@@ -97,7 +88,7 @@ def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tm
     learn.callback_fns.append(partial(ddipp.Checkpoint, name="run"))
     marker = tmp_path / "code-ran"
     (learn.path / learn.model_dir).mkdir()
-    torch.save(dict(epoch=2, payload=_RunsCode(marker)), learn.path / learn.model_dir / "run.pth")
+    torch.save(dict(epoch=2, payload=RunsCode(marker)), learn.path / learn.model_dir / "run.pth")
     with pytest.raises(DamagedCheckpoint, match=r"run\.pth is not a checkpoint ddipp wrote: it holds \S*open, "
                                                 r"which a weights-only load refuses") as refused:
         learn.fit_one_cycle(4, 1e-2, start_epoch=2)

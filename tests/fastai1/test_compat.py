@@ -32,6 +32,8 @@ from fastai.callbacks.misc import StopAfterNBatches
 from fastai.data_block import LabelLists
 from fastai.train import AccumulateScheduler
 
+from compare import assert_same_tensors
+
 
 def _digits_learner(path, **kwargs):
     torch.manual_seed(0)
@@ -67,7 +69,7 @@ def test_lr_find_reloads_its_weights_and_plots(digits_path, tmp_path):
     before = _params(learn)
     learn.lr_find(num_it=15)
     assert len(learn.recorder.lrs) > 5
-    assert all(torch.equal(a, b) for a, b in zip(before, _params(learn)))
+    assert_same_tensors(before, _params(learn))
     png = tmp_path / "lr.png"
     learn.recorder.plot(return_fig=True).savefig(png)
     assert png.stat().st_size > 1000
@@ -82,7 +84,7 @@ def test_save_load_with_optimizer_after_one_cycle(digits_path):
         for p in learn.model.parameters():
             p.zero_()
     learn.load("stage-1")
-    assert all(torch.equal(a, b) for a, b in zip(saved, _params(learn)))
+    assert_same_tensors(saved, _params(learn))
     assert isinstance(learn.opt.lr, (float, np.floating))
 
 
@@ -125,7 +127,7 @@ def test_purge_keeps_the_model_and_the_optimizer(digits_path):
     learn.fit(1, 1e-2)
     saved = _params(learn)
     learn.purge(clear_opt=False)
-    assert all(torch.equal(a, b) for a, b in zip(saved, _params(learn)))
+    assert_same_tensors(saved, _params(learn))
     assert learn.opt is not None and learn.recorder.losses
     learn.fit(1, 1e-3)
 
@@ -334,4 +336,4 @@ def test_accumulate_scheduler_ends_an_epoch_on_a_step_as_on_torch_1(monkeypatch)
     on_torch_2 = _accumulated_fit()  # fastai's on_epoch_end divided the None gradients torch 2's zero_grad leaves
     zero_grad = torch.optim.Optimizer.zero_grad
     monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", lambda opt, set_to_none=False: zero_grad(opt, set_to_none))
-    assert all(torch.equal(a, b) for a, b in zip(on_torch_2, _accumulated_fit()))  # torch 1's zero_grad: zeros
+    assert_same_tensors(on_torch_2, _accumulated_fit())  # torch 1's zero_grad: zeros

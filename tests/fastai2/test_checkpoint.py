@@ -28,6 +28,7 @@ from ddipp.core.rng import seed_all
 
 from conftest import check_restart_said, image_folder, launch_restartable, rank_files, tiny_cnn
 from extras import DieWriting, KillRank1, StopAt, ckpt_learner, launched, resume_story
+from stories import RunsCode
 from compare import TOL, close, max_diff
 from dying_fit import DieAfterFit
 from fit_story import digits_dls, digits_learner, history, params
@@ -89,21 +90,11 @@ def test_validate_get_preds_and_lr_find_write_no_checkpoint(tmp_path):
     assert not (tmp_path / "models" / "run.pth").exists()
 
 
-class _RunsCode:
-    """What an attacker could put in a replaced checkpoint file: unpickling it runs a command."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
 def test_resuming_reads_the_file_weights_only_so_a_replaced_file_runs_no_code(tmp_path):
     learn = ckpt_learner(tmp_path)
     marker = tmp_path / "code-ran"
     (tmp_path / "models").mkdir()
-    torch.save(dict(epoch=2, payload=_RunsCode(marker)), tmp_path / "models" / "run.pth")
+    torch.save(dict(epoch=2, payload=RunsCode(marker)), tmp_path / "models" / "run.pth")
     with pytest.raises(DamagedCheckpoint, match=r"run\.pth is not a checkpoint ddipp wrote: it holds \S*open, "
                                                 r"which a weights-only load refuses") as refused:
         learn.fit_one_cycle(4, 1e-2, start_epoch=2, cbs=ddipp.Checkpoint(name="run"))

@@ -11,6 +11,7 @@ from fastai.basic_train import LearnerCallback
 from ddipp.fastai1.notebook.fitting import fit_call
 from ddipp.core.group.wire import HeldTensors, digest, dumps, loads, pickled_data
 from ddipp.fastai1.notebook.shipping import data_objects, learner_objects
+from compare import assert_same_tensors
 from scenario import digits_data, digits_learner
 
 
@@ -21,7 +22,7 @@ def test_a_learner_travels_without_its_binding_and_its_callbacks_point_at_the_co
     copy = loads(dumps(learn, objects=data_objects(learn.data), learner=learn), data_objects(learn.data))
     assert "ddp" not in vars(copy) and "fit" not in vars(copy) and copy.data is learn.data
     assert copy.recorder.learn is copy and copy.model is not learn.model
-    assert all(torch.equal(a, b) for a, b in zip(copy.model.parameters(), learn.model.parameters()))
+    assert_same_tensors(copy.model.parameters(), learn.model.parameters())
     assert [p for g in copy.opt.opt.param_groups for p in g["params"]] == list(copy.model.parameters())
 
 
@@ -31,7 +32,7 @@ def test_shared_objects_travel_as_references_to_the_receivers_own(tmp_path):
     objects = learner_objects(learn)
     back = loads(dumps(dict(opt=learn.opt, first=learn.model[0]), objects=objects), objects)
     assert back["first"] is learn.model[0]
-    assert all(p is q for p, q in zip(back["opt"].opt.param_groups[0]["params"], learn.model.parameters()))
+    assert [id(p) for g in back["opt"].opt.param_groups for p in g["params"]] == list(map(id, learn.model.parameters()))
 
 
 def test_equal_data_pickles_to_an_equal_digest_with_its_arrays_out_of_band(tmp_path):

@@ -20,8 +20,8 @@ from torch import nn
 
 import ddipp
 from scenario import digits_data, digits_learner, history, params
+from stories import ratings, tabular_frame, topic_docs
 
-TOPICS, WORDS = 4, 24
 AWD = dict(emb_sz=32, n_hid=64, n_layers=2, pad_token=1, qrnn=False, bidir=False, output_p=0.1, hidden_p=0.1,
            input_p=0.1, embed_p=0.02, weight_p=0.1)
 
@@ -44,23 +44,6 @@ def _timed(fit):
 
 
 # --- text: documents of one topic each; a topic is a cycle through the shared words, each step kept with p=keep
-
-
-def topic_docs(n: int, seed: int, lengths=(20, 120), keep=0.85) -> pd.DataFrame:
-    """`n` documents of words w0..w23: the next word follows the document's topic cycle with probability `keep`."""
-    cycles = [np.random.RandomState(100 + t).permutation(WORDS) for t in range(TOPICS)]
-    succ = [dict(zip(c, np.roll(c, -1))) for c in cycles]
-    rng, texts, labels = np.random.RandomState(seed), [], []
-    for _ in range(n):
-        topic, cur = rng.randint(TOPICS), rng.randint(WORDS)
-        words = [cur]
-        for _ in range(rng.randint(*lengths) - 1):
-            nxt = succ[topic][cur] if rng.rand() < keep else rng.randint(WORDS)
-            cur = nxt if nxt != cur else succ[topic][cur]  # no word repeated (fastai would rewrite it)
-            words.append(cur)
-        texts.append(" ".join(f"w{w}" for w in words))
-        labels.append(f"t{topic}")
-    return pd.DataFrame({"label": labels, "text": texts})
 
 
 def lm_data(path, bs: int, bptt: int = 10):
@@ -205,19 +188,6 @@ def vision(path, bs: int) -> dict:
     return dict(final=_final(learn), history=history(learn), seconds=seconds, weights=_saved(learn, "vision"))
 
 
-def tabular_frame(n: int = 3000, seed: int = 0) -> pd.DataFrame:
-    """Two categorical and three continuous columns (one with missing values); the label is a noisy rule on all."""
-    rng = np.random.RandomState(seed)
-    df = pd.DataFrame({"shop": rng.choice(list("abcdef"), n), "day": rng.choice(["mon", "tue", "wed", "thu"], n),
-                       "x1": rng.randn(n), "x2": rng.randn(n) * 3 + 1, "x3": rng.rand(n)})
-    shop = df.shop.map(dict(zip("abcdef", [-2, -1, 0, 0.5, 1, 2])))
-    day = df.day.map({"mon": 1, "tue": -1, "wed": 0.5, "thu": -0.5})
-    logit = 1.5 * df.x1 - 0.6 * df.x2 + shop + day + 2 * np.sin(6 * df.x3) + 0.6
-    df["label"] = np.where(logit + rng.randn(n) * 0.5 > 0, "yes", "no")
-    df.loc[rng.rand(n) < 0.1, "x1"] = np.nan
-    return df
-
-
 def tabular_learner_(path, bs: int):
     """tabular_learner with FillMissing, Categorify, Normalize on categorical and continuous columns."""
     df = tabular_frame()
@@ -248,16 +218,6 @@ def tabular_cat(path, bs: int) -> dict:
     learn = tabular_cat_learner(path, bs).to_ddp()  # the default options
     seconds = _timed(lambda: learn.fit_one_cycle(2, 1e-2))
     return dict(final=_final(learn), history=history(learn), seconds=seconds)
-
-
-def ratings(n_users: int = 150, n_items: int = 120, n: int = 9000, seed: int = 0) -> pd.DataFrame:
-    """Ratings from 4 latent factors per user and item, user and item biases, and noise, clipped to 0.5-5."""
-    rng = np.random.RandomState(seed)
-    users, items = rng.randn(n_users, 4), rng.randn(n_items, 4)
-    u, i = rng.randint(n_users, size=n), rng.randint(n_items, size=n)
-    r = 3 + 0.6 * (users[u] * items[i]).sum(1) + 0.5 * rng.randn(n_users)[u] + 0.5 * rng.randn(n_items)[i]
-    df = pd.DataFrame({"user": u, "item": i, "rating": np.clip(r + 0.3 * rng.randn(n), 0.5, 5.0)})
-    return df.drop_duplicates(["user", "item"]).reset_index(drop=True)
 
 
 def collab_learner_(path, bs: int):

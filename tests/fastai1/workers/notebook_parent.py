@@ -16,9 +16,9 @@ torch.set_num_threads(1)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import ddipp  # noqa: E402
-from ddipp.core.group.group import _groups  # noqa: E402
 from fastai.basic_train import LearnerCallback  # noqa: E402
 from scenario import digits_data, digits_learner, params  # noqa: E402
+from stories import pids  # noqa: E402
 
 
 class Announce(LearnerCallback):
@@ -34,10 +34,6 @@ class StuckRank1(Announce):
         super().on_batch_end(iteration)
         if iteration == 2 and ddipp.rank() == 1:
             threading.Event().wait()
-
-
-def pids():
-    return " ".join(str(p.pid) for p in _groups[("cpu", "cpu")].procs)
 
 
 def same(before, learn):

@@ -17,14 +17,10 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import TensorDataset
 
 from compare import max_diff
+from stories import batch_max_prob
 
 N_TRAIN = 645  # digits that train, after the 101 that validate: 20 steps of 32 an epoch (5 left); odd, so 2 ranks
 # drop the last position of each epoch's order
-
-
-def batch_max_prob(out, targ):
-    """A metric that depends on how the set is batched: exact only if every batch is the single-process one."""
-    return out.softmax(-1).max()
 
 
 def _digits():

@@ -17,9 +17,9 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from fastai.callback.core import Callback  # noqa: E402
 from fit_story import digits_dls, digits_learner, params  # noqa: E402
+from stories import pids  # noqa: E402
 
 import ddipp  # noqa: E402
-from ddipp.core.group.group import _groups  # noqa: E402
 
 
 class Announce(Callback):
@@ -28,10 +28,6 @@ class Announce(Callback):
     def after_batch(self):
         if self.training and self.iter == 2 and ddipp.is_rank0():
             print("TRAINING", flush=True)
-
-
-def pids():
-    return " ".join(str(p.pid) for p in _groups[("cpu", "cpu")].procs)
 
 
 learn = digits_learner(digits_dls(bs=16), sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()).to_ddp(nprocs=2)
