@@ -17,9 +17,10 @@ class Fitting(Protocol):
 
     def run_fit(self, data: Any, call: bytes, options: Options, device: torch.device,
                 send: Optional[Callable[[tuple], None]], held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
-        """Run the fit `call` on `data` under DDP with ddipp's callbacks (`options`), taking the tensors it names from
-        `held`; rank 0 (given `send`) relays progress and returns the results; every rank returns the digests of the
-        tensors it keeps in `held` for the next fit."""
+        """Run the fit `call` on `data` with ddipp's callbacks (`options`: its Strategy's too), taking the tensors it
+        names from `held`; rank 0 (given `send`) relays progress and returns the results; every rank returns the
+        digests of the tensors it keeps in `held` for the next fit, its own (a sharding strategy keeps a different part
+        on each rank): its next `call` names only those."""
 
 
 def load_fitting(name: str) -> Fitting:

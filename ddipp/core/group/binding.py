@@ -4,7 +4,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AbstractSet, Any, Callable, List, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -46,7 +46,6 @@ def say_global_batch(bs: Optional[int], processes: int, split_batches: bool) -> 
               "batch: one process's training, faster")
 
 
-
 def bind(learn: Any, devices: Tuple[str, ...], options: Options, fit_on_group: Callable, fitting: str) -> None:
     """Run `learn`'s fits on the group on `devices` (started now if not running) with `fit_on_group(learn, ...)`; its
     workers run them with the adapter's module named `fitting` (`adapter.Fitting`) and `options`; a fit whose worker
@@ -82,19 +81,18 @@ def group_of(learn: Any, after: WorkerGroup = None, attempt: int = 0) -> WorkerG
     return group
 
 
-
 def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], bytes], mirror: Any,
                  apply_results: Callable[[List[bytes]], None], kept: Callable[[], Tuple[int, int]],
                  untrained: Callable[[], None] = lambda: None,
                  from_checkpoint: Callable[[dict, int], Optional[Tuple[dict, Path]]] = lambda fit, after: None) -> None:
-    """Run a bound learner's fit of its data (its attribute `data_attr`) on its group: the `call` made for the tensors
-    the workers hold, its progress shown by `mirror`; then `apply_results` puts rank 0's results on the learner, as a
-    local fit would leave it. A failed fit keeps what was trained up to the failure (`kept()`: its epoch and step,
-    said), or its Checkpoint's file where that is newer (`from_checkpoint`, `_failed`), or, if nothing was, leaves the
-    learner as it was (`untrained()` then does what a local fit that failed would); an interrupted one raises
-    KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit. A fit whose worker died runs again on
-    a new group, the restart of the last, with the same seed (a Checkpoint in the fit resumes it), up to the binding's
-    `restarts` times."""
+    """Run a bound learner's fit of its data (its attribute `data_attr`) on its group: each rank's request made by
+    `call` for the tensors that rank holds (`_calls`), its progress shown by `mirror`; then `apply_results` puts rank
+    0's results on the learner, as a local fit would leave it. A failed fit keeps what was trained up to the failure
+    (`kept()`: its epoch and step, said), or its Checkpoint's file where that is newer (`from_checkpoint`, `_failed`),
+    or, if nothing was, leaves the learner as it was (`untrained()` then does what a local fit that failed would); an
+    interrupted one raises KeyboardInterrupt after keeping what was trained, as Ctrl-C in a local fit. A fit whose
+    worker died runs again on a new group, the restart of the last, with the same seed (a Checkpoint in the fit resumes
+    it), up to the binding's `restarts` times."""
     group, restarts, lost, data = group_of(learn), 0, 0.0, None
     fit = dict(run_id=group.launch_id, fit=group.fits + 1)  # what its Checkpoint's file names it by, in every restart
     generator = torch.get_rng_state()  # what the call draws its seed from: a restart draws the same
@@ -109,9 +107,8 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
                 group = group_of(learn, after=group, attempt=restarts)
                 group.wait_ready()
                 lost += time.monotonic() - failed
-            torch.set_rng_state(generator)
             data = data or pickled_data(getattr(learn, data_attr), f"learn.{data_attr}")  # while workers start
-            results, interrupted = group.fit(data, call(group.held), learn.ddp.options, mirror)
+            results, interrupted = group.fit(data, _calls(call, group, generator), learn.ddp.options, mirror)
             break
         except BaseException as e:
             if isinstance(e, WorkerDied) and restarts < learn.ddp.options.restarts:
@@ -126,6 +123,19 @@ def fit_on_group(learn: Any, data_attr: str, call: Callable[[AbstractSet[str]], 
               f"{lost:.1f} s; the batches after each last checkpoint ran again)", flush=True)
     if interrupted:
         raise KeyboardInterrupt
+
+
+def _calls(call: Callable[[AbstractSet[str]], bytes], group: WorkerGroup, generator: torch.Tensor) -> List[bytes]:
+    """Each rank's fit request, rank order: `call(held)` made once for each distinct set of tensors the ranks hold
+    (DDP's ranks hold the same: one), so a rank's names only its own as digests; each draws its seed from the torch
+    generator state `generator`, so every rank gets the same seed."""
+    made: Dict[frozenset, bytes] = {}
+    for rank in range(len(group.devices)):
+        held = group.held.get(rank, frozenset())
+        if held not in made:
+            torch.set_rng_state(generator)
+            made[held] = call(held)
+    return [made[group.held.get(rank, frozenset())] for rank in range(len(group.devices))]
 
 
 def _failed(group: WorkerGroup, apply_results: Callable[[List[bytes]], None], kept: Callable[[], Tuple[int, int]],

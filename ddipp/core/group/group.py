@@ -24,7 +24,7 @@ import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 
@@ -80,8 +80,10 @@ class WorkerGroup:
         self.fits = after.fits - 1 if after else 0  # the fits sent; a restart sends its group's last one again
         self.learners = weakref.WeakValueDictionary()  # id -> a learner bound to this group (Learner is unhashable)
         self.data_digest = None
-        self.held = frozenset()  # digests of the tensors every worker kept from the last fit (the call names them)
-        self.last_sent = {}  # bytes the last fit sent: "data", "call" (written once for all ranks), "results" (back)
+        # rank -> digests of the tensors it kept from the last fit (its call names them); each rank's own, since a
+        # sharding strategy keeps a different part on each; empty before the first fit
+        self.held: Dict[int, frozenset] = {}
+        self.last_sent = {}  # bytes the last fit sent: "data", "call" (each distinct call written once), "results" back
         self.procs: List[Union[SpawnedWorker, forkserver.ForkedWorker]] = []
         self.conns: List[Connection] = []
         self.replies: Dict[int, Any] = {}  # rank -> its answer to the last command ("ready", "done")
@@ -134,11 +136,12 @@ class WorkerGroup:
         self.procs.append(worker)
         self.conns.append(Connection(ours.detach()))
 
-    def fit(self, data: Tuple[str, bytes, list], call: bytes, options: Options, mirror: Any) -> Tuple[list, bool]:
-        """Run one fit of the `data` (`wire.pickled_data`) on every rank, replaying rank 0's progress events on
-        `mirror` (called with each event's name and arguments; `mirror.interrupt()` when a fit is interrupted): rank
-        0's results and whether an interrupt stopped the fit (every rank after the same step; what was trained comes
-        back all the same)."""
+    def fit(self, data: Tuple[str, bytes, list], calls: Sequence[bytes], options: Options,
+            mirror: Any) -> Tuple[list, bool]:
+        """Run one fit of the `data` (`wire.pickled_data`) on every rank, rank r's request `calls[r]` (the ranks given
+        equal bytes share one message, written once), replaying rank 0's progress events on `mirror` (called with each
+        event's name and arguments; `mirror.interrupt()` when a fit is interrupted): rank 0's results and whether an
+        interrupt stopped the fit (every rank after the same step; what was trained comes back all the same)."""
         self.wait_ready()
         interrupted, self.trained, self.unanswered = False, None, set(range(len(self.conns)))
         self.fits += 1
@@ -147,7 +150,11 @@ class WorkerGroup:
                 for conn in self.conns:
                     send(conn, (SET_CONTEXT, os.getcwd(), sys.path))
                 data_bytes = self._keep_data(*data)
-                broadcast(self.conns, (FIT, self.data_digest, call, options, self.fits))
+                sharing: Dict[bytes, List[Connection]] = {}
+                for conn, call in zip(self.conns, calls):
+                    sharing.setdefault(call, []).append(conn)
+                for call, conns in sharing.items():
+                    broadcast(conns, (FIT, self.data_digest, call, options, self.fits))
             except OSError as e:  # a worker died since group_for looked
                 raise self._death(self._dead_rank()) from e
             self.replies = {}
@@ -157,8 +164,8 @@ class WorkerGroup:
                 interrupted = True
                 self._stop_fit(mirror)
             results = self.replies[0][0]
-            self.held = frozenset.intersection(*(frozenset(kept) for _, kept in self.replies.values()))
-            self.last_sent = dict(data=data_bytes, call=len(call), results=sum(map(len, results)))
+            self.held = {rank: frozenset(kept) for rank, (_, kept) in self.replies.items()}
+            self.last_sent = dict(data=data_bytes, call=sum(map(len, sharing)), results=sum(map(len, results)))
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt) or self.unanswered or not self.alive:
                 self.kill()
@@ -188,7 +195,7 @@ class WorkerGroup:
         of them meet again at the next fit; what they held is the failed fit's, so the next one sends it all."""
         for conn in self.conns:
             send(conn, (LEAVE,))
-        self.held = frozenset()
+        self.held = {}
 
     def _stop_fit(self, mirror: Any) -> None:
         """After an interrupt: ask the ranks to stop after the same step and wait STOP_DEADLINE seconds for what they
@@ -347,7 +354,7 @@ class WorkerGroup:
             proc.wait()
         for conn in self.conns:
             conn.close()
-        self.procs, self.conns, self.data_digest, self.store, self.held = [], [], None, None, frozenset()
+        self.procs, self.conns, self.data_digest, self.store, self.held = [], [], None, None, {}
         if _groups.get(self.devices) is self:
             del _groups[self.devices]
         shutil.rmtree(self.logs, ignore_errors=True)

@@ -371,8 +371,8 @@ def travelling_state(learn: Any) -> dict:
 def fit_request(objects: Dict[Hashable, Any], learner: Any, held: AbstractSet[str], **call) -> bytes:
     """A fit `call` (the learner, the fit's arguments) as bytes, with a seed drawn from the notebook's torch generator:
     a notebook that seeds torch gets the same shuffles, dropout and augmentations on the workers run after run, as a
-    local fit would. Tensors the workers `held` since their last fit travel as digests. TypeError naming the first
-    part that cannot be pickled, and the fix."""
+    local fit would. Tensors the receiving workers `held` since their last fit travel as digests (a request is made
+    for each set the ranks hold). TypeError naming the first part that cannot be pickled, and the fix."""
     call["seed"] = int(torch.randint(0, 2**31 - 1, ()))
     try:
         return dumps(call, objects=objects, learner=learner, held=held)

@@ -129,9 +129,10 @@ KERNEL = textwrap.dedent("""
     from ddipp.core.group import forkserver
     from ddipp.core.group.group import group_for
     from ddipp.core.group.wire import pickled_data
-from ddipp.core.options import Options
+    from ddipp.core.options import Options
     group = group_for(("cpu", "cpu"), 600, "torch_fitting")
-    group.fit(pickled_data(torch.arange(4.0), "data"), cloudpickle.dumps(lambda data, device: None), {}, None)
+    group.fit(pickled_data(torch.arange(4.0), "data"), [cloudpickle.dumps(lambda data, device: None)] * 2, Options(),
+              None)
     print("pids", forkserver.server().proc.pid, *[proc.pid for proc in group.procs], flush=True)
     time.sleep(600)
 """)
@@ -160,7 +161,7 @@ def test_a_worker_or_the_server_killed_between_fits_is_named_in_one_line_and_the
     os.kill(group.procs[1].pid, signal.SIGKILL)
     assert _all_end([group.procs[1].pid])
     with pytest.raises(WorkerError, match=r"^ddipp worker rank 1 \(pid \d+, cpu\) was killed by SIGKILL; "):
-        group.fit(pickled_data(torch.arange(4.0), "data"), cloudpickle.dumps(drawn), {}, None)  # held since then
+        group.fit(pickled_data(torch.arange(4.0), "data"), [cloudpickle.dumps(drawn)] * 2, Options(), None)
     assert fit(group_for(CPU2, 60, FITTING), drawn)[0].tolist() == [3.0, 5.0, 7.0, 9.0]
     os.kill(_groups[CPU2].procs[0].pid, signal.SIGKILL)
     assert _all_end([_groups[CPU2].procs[0].pid])

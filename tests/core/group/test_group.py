@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from ddipp.core.group.group import START_TIMEOUT, WorkerError, WorkerGroup, _groups, group_for, shutdown
 from ddipp.core.group.wire import pickled_data
+from ddipp.core.options import Options
 from ddipp.core.store import loopback_listener, loopback_store
 
 CPU2 = ("cpu", "cpu")
@@ -39,7 +40,8 @@ def no_group_left():
 
 def fit(group, call) -> object:
     """Run `call(data, device)` on every rank of `group`; rank 0's result."""
-    results, interrupted = group.fit(pickled_data(torch.arange(4.0), "data"), cloudpickle.dumps(call), {}, None)
+    calls = [cloudpickle.dumps(call)] * len(group.devices)  # each rank's request: the same
+    results, interrupted = group.fit(pickled_data(torch.arange(4.0), "data"), calls, Options(), None)
     assert not interrupted
     return cloudpickle.loads(results[0])
 
