@@ -31,6 +31,12 @@ class Options:
     def __post_init__(self) -> None:
         lr_find_mode, timeout, split_batches, restarts = (self.lr_find_mode, self.timeout, self.split_batches,
                                                           self.restarts)
+        if not isinstance(self.sync_bn, bool):
+            raise ValueError(f"to_ddp(sync_bn={self.sync_bn!r}): True (BatchNorm layers sync their statistics over the "
+                             "processes while training) or False (the default)")
+        if self.find_unused_parameters is not None and not isinstance(self.find_unused_parameters, bool):
+            raise ValueError(f"to_ddp(find_unused_parameters={self.find_unused_parameters!r}): True, False, or None "
+                             "(the default: on for a model with reset(), such as fastai's RNNs)")
         if lr_find_mode not in LR_FIND_MODES:
             raise ValueError(f"to_ddp(lr_find_mode={lr_find_mode!r}): use 'solo' (rank 0 sweeps alone) or "
                              "'distributed' (all ranks sweep with the global batch)")

@@ -24,7 +24,8 @@ class Strategy(Protocol):
         """The whole state of the wrapped model and the optimizer on rank 0 (ddipp.core.state.full_state's form)."""
 
     def load_full_state(self, model: nn.Module, optimizer: Any, state: dict) -> None:
-        """`state` (full_state's form, needed on rank 0 only) into the wrapped model and the optimizer."""
+        """`state` (full_state's form, which every rank passes: each reads the checkpoint, or keeps its own copy) into
+        the wrapped model and the optimizer."""
 
 
 def strategy(options: Options) -> Strategy:

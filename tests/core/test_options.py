@@ -18,7 +18,9 @@ from ddipp.core.options import Options
     (dict(restarts=-1), "to_ddp(restarts=-1): restarts is how many times a notebook fit whose worker died starts a "
                         "new group and resumes from its Checkpoint, a whole number >= 0"),
     (dict(restarts=1.5), "to_ddp(restarts=1.5): restarts is how many times"),
-    (dict(restarts=True), "to_ddp(restarts=True): restarts is how many times")])
+    (dict(restarts=True), "to_ddp(restarts=True): restarts is how many times"),
+    (dict(sync_bn="yes"), "to_ddp(sync_bn='yes'): True (BatchNorm layers sync their statistics"),
+    (dict(find_unused_parameters=1), "to_ddp(find_unused_parameters=1): True, False, or None")])
 def test_a_bad_value_is_refused_naming_it_and_what_to_give(given, message):
     with pytest.raises(ValueError) as raised:
         Options(**given)
