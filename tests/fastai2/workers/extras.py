@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 import ddipp
 from ddipp.core.resume import restart_count
+from core_story import pairwise_loss, sq_distances
 from dying_write import die_writing
 
 N_VALID = 359  # digits' validation items: odd, so the ranks' shares differ
@@ -64,15 +65,6 @@ def launched(basetemp: Path):
 
 
 # 1. Global-batch losses
-
-def sq_distances(a: torch.Tensor) -> torch.Tensor:
-    return (a[:, None] - a[None]).pow(2).sum(-1)
-
-
-def pairwise_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Squared error between the predicted and the target squared distances, over all pairs of the batch."""
-    return (sq_distances(out) - sq_distances(target)).pow(2).mean()
-
 
 def pairs_dls(bs: int, n_train: int = 256, n_valid: int = 64) -> DataLoaders:
     """Points in 8-d whose targets are 2-d coordinates, a fixed nonlinear map of them; batches in order."""
