@@ -12,6 +12,7 @@ metrics on each rank alone: the `validate` of ddipp.fastai1.learner).
 import math
 from contextlib import ExitStack
 from functools import partial
+from typing import List, Optional
 
 import fastprogress.fastprogress
 import numpy as np
@@ -27,10 +28,11 @@ from ..core.sharding import pad_to_longest, shared_seed, unshard
 from ..core import parallel
 from ..core.options import LR_FIND_MODES, Options, check_split
 from ..core.files import UnnamedFile
-from ..core.fit import LossAndStop, meet_at_end, split_weight
+from ..core.fit import DistributedFit, LossAndStop, meet_at_end, split_weight
 from ..core.memory import release_memory
 from ..core.syncbn import has_batchnorm
 from .loaders import repeat_passes, shard_eval_loader, shard_train_loader, split_train_loader, text_if_imported
+from .state import hypers, optimizer, set_hypers
 
 
 class DistributedCallback(LearnerCallback):
@@ -96,7 +98,7 @@ class DistributedCallback(LearnerCallback):
         self.summed_loss = getattr(learn.loss_func, "reduction", "mean") == "sum"
         model, train_dl, valid_dl = learn.model, data.train_dl, data.valid_dl
         self.undo.callback(_restore, learn, model, train_dl, valid_dl)
-        learn.model = self.strategy.wrap(model, learn.opt.opt, self.undo)
+        learn.model = self.strategy.wrap(model, optimizer(learn), self.undo)
         data.train_dl = sharded
         self.train_sampler = sharded.dl.batch_sampler if self.split_batches else sharded.dl.batch_sampler.sampler
         self.undo.callback(_rescale_schedule(learn, len(train_dl) * n_epochs, len(sharded) * n_epochs))
@@ -107,6 +109,19 @@ class DistributedCallback(LearnerCallback):
             data.valid_dl = shard_eval_loader(valid_dl, self.rank, self.world_size)
             self.eval_batches = data.valid_dl.dl.batch_sampler
         self.distributed = True
+
+    def smoothed_state(self) -> list:
+        """The smoothed training loss of this fit so far ([steps, moving average]): a Checkpoint keeps it."""
+        return [self.smoother.n, float(self.smoother.mov_avg)]
+
+    def load_smoothed_state(self, state: list) -> None:
+        """The smoothed training loss goes on from `state` (smoothed_state's), as it was when it was kept."""
+        self.smoother.n, self.smoother.mov_avg = state
+        self.smoother.smooth = self.smoother.mov_avg / (1 - self.smoother.beta ** self.smoother.n)
+
+    def resume_at_batch(self, batch: int) -> None:
+        """This epoch goes on at its training batch `batch` (a mid-epoch Checkpoint's): a split batch's parts follow."""
+        self.train_batch = batch
 
     def undistribute(self) -> None:
         """Put back the plain model and the original loaders; the rest of the fit runs as one process."""
@@ -205,11 +220,41 @@ class DistributedCallback(LearnerCallback):
             meet_at_end()
 
 
-def distributed_fit(learn: Learner):
-    """The learner's DistributedCallback while a distributed fit runs (its loaders sharded, its model wrapped), else
-    None: how the other callbacks learn whether, and how, the fit they are in is distributed."""
+def distributed_fit(learn: Learner) -> Optional[DistributedFit]:
+    """The distributed fit the learner runs (its loaders sharded, its model wrapped), else None: how the other
+    callbacks learn whether, and how, the fit they are in is distributed."""
+    callback = _running_callback(learn)
+    return None if callback is None else _Fit(callback)
+
+
+def _running_callback(learn: Learner) -> Optional[DistributedCallback]:
+    """The learner's DistributedCallback while a distributed fit runs, else None."""
     ddp = getattr(learn, "distributed_callback", None)
     return ddp if ddp is not None and ddp.distributed else None
+
+
+class _Fit:
+    """ddipp.core.fit.DistributedFit of the fit a DistributedCallback runs: its rank, its strategy, and the sampler of
+    its sharded training loader (ShardedSampler or SplitBatchSampler)."""
+
+    def __init__(self, callback: DistributedCallback):
+        self.rank, self.world_size, self.strategy = callback.rank, callback.world_size, callback.strategy
+        self._sampler = callback.train_sampler
+
+    @property
+    def shuffle_seed(self) -> int:
+        return self._sampler.seed
+
+    @shuffle_seed.setter
+    def shuffle_seed(self, seed: int) -> None:
+        self._sampler.seed = seed
+
+    @property
+    def n_items(self) -> int:
+        return len(self._sampler.sampler)
+
+    def epoch_order(self) -> List[int]:
+        return list(self._sampler)
 
 
 def _restore(learn: Learner, model: nn.Module, train_dl, valid_dl) -> None:
@@ -307,7 +352,7 @@ class LRFinderBypassCallback(LearnerCallback):
         # fastai's LRFinder marks its fit's bar clean_on_interrupt in its own on_train_begin, which ran just before
         self.sweeping = getattr(pbar, "clean_on_interrupt", False) and dist.is_initialized()
         if self.sweeping and self.mode == "solo":
-            distributed_fit(self.learn).undistribute()
+            _running_callback(self.learn).undistribute()
         elif self.sweeping:
             self._cover_the_sweep(n_epochs)
 
@@ -317,7 +362,7 @@ class LRFinderBypassCallback(LearnerCallback):
         steps = self.learn.lr_finder.sched.n_iter
         passes = math.ceil(steps / (n_epochs * len(self.learn.data.train_dl)))
         if passes > 1:
-            distributed_fit(self.learn).read_passes(passes)
+            _running_callback(self.learn).read_passes(passes)
 
     def _waiting(self) -> bool:
         """True on the ranks that only wait for rank 0's solo sweep."""
@@ -353,17 +398,15 @@ class LRFinderBypassCallback(LearnerCallback):
 # What a sweep changes besides the weights: the recorder's history, and the optimizer's hyper-parameters (its
 # parameter groups were reloaded from the pre-sweep file on every rank; fastai leaves the last scheduled lr in _lr).
 _RECORDED = ("lrs", "moms", "losses", "nb_batches", "val_losses", "metrics")
-_HYPER = ("_lr", "_mom", "_beta", "_wd")
 
 
 def _sweep_state(learn: Learner) -> dict:
-    return dict(recorder={k: getattr(learn.recorder, k) for k in _RECORDED},
-                opt={k: getattr(learn.opt, k) for k in _HYPER})
+    return dict(recorder={k: getattr(learn.recorder, k) for k in _RECORDED}, opt=hypers(learn))
 
 
 def _set_sweep_state(learn: Learner, state: dict) -> None:
     vars(learn.recorder).update(state["recorder"])
-    vars(learn.opt).update(state["opt"])  # as fastai's OptimWrapper.load_with_state_and_layer_group sets them
+    set_hypers(learn, state["opt"])
 
 
 class GCCallback(LearnerCallback):

@@ -9,12 +9,12 @@ from fastai.train import AccumulateScheduler
 
 from ..core import dist as ddist
 from ..core import resume
-from ..core.checkpoint import (FromBatch, check_every_steps, check_keep, fit_checkpoint, read_checkpoint,
-                               restart_state, write_checkpoint)
+from ..core.checkpoint import (FromBatch, Saved, check_every_steps, check_keep, fit_checkpoint, read_checkpoint,
+                               restart_state, save_checkpoint)
 from ..core.rng import every_rank, rng_state, set_rng_state, this_rank
-from ..core.state import load_model_state, model_state
-from .callbacks import distributed_fit
-from .state import load_opt_state_dict, opt_state_dict
+from ..core.state import full_state, load_full_state
+from .callbacks import _running_callback, distributed_fit
+from .state import optimizer
 
 
 class Checkpoint(LearnerCallback):
@@ -92,9 +92,9 @@ class Checkpoint(LearnerCallback):
             if type(cb).jump_to_epoch is not Callback.jump_to_epoch and cb is not self:
                 for _ in range(self.from_batch):
                     cb.on_batch_end(train=True)
-        ddp = distributed_fit(self.learn)
-        if ddp is not None:
-            ddp.train_batch = self.from_batch
+        running = _running_callback(self.learn)
+        if running is not None:
+            running.resume_at_batch(self.from_batch)
         return {"num_batch": self.from_batch}
 
     def _set_step_rngs(self) -> None:
@@ -121,14 +121,14 @@ class Checkpoint(LearnerCallback):
     def _write(self, epoch: int, step: int, iteration: int) -> None:
         """The state after `epoch` epochs and `step` batches of the next (with that epoch's starting generators)."""
         self.due = False
-        rngs = every_rank([rng_state(), self.epoch_rngs if step else None])  # a collective; rank 0 writes
-        if ddist.is_rank0():
-            write_checkpoint(dict(model=model_state(self.learn.model), opt=opt_state_dict(self.learn),
-                                  epoch=epoch, step=step, iteration=iteration, rngs=rngs,
-                                  shuffle_seed=self._sampler_seed(), recorder=_recorded(self.learn.recorder),
-                                  smoothed=self._smoothed(), **self.identity, n_epochs=self.n_epochs,
-                                  size=len(self.learn.data.train_ds)),
-                             self.path, self.keep)
+        # collectives (the generators, the state the strategy reads): every rank takes part, rank 0 writes
+        rngs = every_rank([rng_state(), self.epoch_rngs if step else None])
+        fit, running = distributed_fit(self.learn), _running_callback(self.learn)
+        state = full_state(self.learn.model, optimizer(self.learn), fit.strategy if fit else None)
+        fastai = dict(iteration=iteration, recorder=_recorded(self.learn.recorder),
+                      smoothed=running.smoothed_state() if running else None)
+        save_checkpoint(Saved(state, epoch, step, rngs, fit.shuffle_seed if fit else None, self.identity, self.n_epochs,
+                              len(self.learn.data.train_ds), fastai), self.path, self.keep)
 
     def on_train_end(self, **kwargs) -> None:
         self._end_resumed_epoch()  # a fit that ended in its resumed epoch
@@ -157,31 +157,21 @@ class Checkpoint(LearnerCallback):
             self.start_rngs, self.step_rngs = (None, None) if rngs is None else (rngs[1], rngs[0])
         elif rngs is not None:
             set_rng_state(rngs[0])
-        if state["shuffle_seed"] is not None and self._sampler_seed() is not None:
-            distributed_fit(self.learn).train_sampler.seed = state["shuffle_seed"]
-        ddp = distributed_fit(self.learn)
-        if ddp is not None and state.get("smoothed") and state["smoothed"][0]:  # the smoothed loss goes on as it was
-            ddp.smoother.n, ddp.smoother.mov_avg = state["smoothed"]
-            ddp.smoother.smooth = ddp.smoother.mov_avg / (1 - ddp.smoother.beta ** ddp.smoother.n)
-
-    def _smoothed(self):
-        """The state of the smoothed training loss of a distributed fit ([n, moving average]), else None."""
-        ddp = distributed_fit(self.learn)
-        return None if ddp is None else [ddp.smoother.n, float(ddp.smoother.mov_avg)]
-
-    def _sampler_seed(self):
-        """The seed ddipp shuffles this fit's training order with, when the fit is distributed."""
-        ddp = distributed_fit(self.learn)
-        return ddp.train_sampler.seed if ddp is not None else None
+        fit, running = distributed_fit(self.learn), _running_callback(self.learn)
+        if fit is not None and state["shuffle_seed"] is not None:
+            fit.shuffle_seed = state["shuffle_seed"]
+        if running is not None and state.get("smoothed") and state["smoothed"][0]:  # the smoothed loss goes on
+            running.load_smoothed_state(state["smoothed"])
 
 
 def _put_trained(learn: Learner, state: dict) -> None:
     """What a Checkpoint's `state` holds of the training into `learn`: the model, the optimizer (made if the learner
     has none yet), the recorder (the epochs before the file's, once each)."""
-    load_model_state(learn.model, state["model"])
     if getattr(learn, "opt", None) is None:
         learn.create_opt(defaults.lr, learn.wd)
-    load_opt_state_dict(learn, state["opt"])
+    fit = distributed_fit(learn)
+    load_full_state(learn.model, optimizer(learn), dict(model=state["model"], opt=state["opt"]),
+                    fit.strategy if fit else None)
     for name, recorded in state.get("recorder", {}).items():
         setattr(learn.recorder, name, list(recorded))
 

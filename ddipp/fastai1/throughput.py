@@ -8,10 +8,10 @@ from fastai.basic_train import Learner, LearnerCallback
 from fastai.torch_core import add_metrics
 
 from ..core import dist as ddist
-from ..core.state import load_model_state, model_state
+from ..core.state import full_state, load_full_state
 from ..core.throughput import global_counts, rank0_rate, say_comparison
 from .callbacks import distributed_fit
-from .state import load_opt_state_dict, opt_state_dict
+from .state import optimizer
 
 
 class Throughput(LearnerCallback):
@@ -53,17 +53,16 @@ class Throughput(LearnerCallback):
 
     def _global_counts(self):
         """(samples, distinct, seconds) of this epoch's training, over all ranks."""
-        ddp = distributed_fit(self.learn)
-        if ddp is None:  # one process: its sampler draws each item at most once per epoch
+        fit = distributed_fit(self.learn)
+        if fit is None:  # one process: its sampler draws each item at most once per epoch
             return self.count, self.count, self.elapsed
-        sampler = ddp.train_sampler
-        return global_counts(len(sampler.sampler), sampler, self.count, self.elapsed)
+        return global_counts(fit.n_items, fit.epoch_order(), self.count, self.elapsed)
 
     def _time_one_process(self) -> float:
         """Samples/s of `compare_batches` training steps of this process alone; the model and optimizer are put back."""
         learn = self.learn
         model = learn.model
-        states = copy.deepcopy((model_state(model), opt_state_dict(learn)))
+        state = copy.deepcopy(full_state(model, optimizer(learn)))  # rank 0 alone: the model is not wrapped yet
         count, start = 0, None
         model.train()
         with torch.random.fork_rng(devices=[]):
@@ -79,8 +78,7 @@ class Throughput(LearnerCallback):
                     count += _batch_size(yb)
             _synchronize()
             elapsed = time.perf_counter() - start
-        load_model_state(model, states[0])
-        load_opt_state_dict(learn, states[1])
+        load_full_state(model, optimizer(learn), state)
         return count / elapsed
 
 

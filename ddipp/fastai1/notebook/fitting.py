@@ -13,13 +13,14 @@ import torch
 from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner
 from fastai.callback import Callback
+from fastai.core import defaults
 
 from ...core.options import Options
 from ...core.group.fitting import fit_and_keep, received_fit
 from ...core.group.wire import HeldTensors, dumps, fit_request, loads, without_unpicklable
-from ...core.state import load_model_state, model_state, move_optimizer_state, state_tensors
+from ...core.state import full_state, kept_tensors, load_full_state
 from ..learner import distribute
-from ..state import opt_state
+from ..state import hypers, optimizer, set_hypers
 from .progress import ProgressRelay
 from .shipping import data_objects, learner_objects, loaders
 
@@ -44,23 +45,25 @@ def run_fit(data: DataBunch, call: bytes, options: Options, device: torch.device
             held: HeldTensors) -> Tuple[Optional[List[bytes]], List[str]]:
     """A worker's half (`ddipp.core.group.adapter.Fitting.run_fit`): the call under DDP, rank 0 relaying progress
     through a callback of the fit."""
-    request = received_fit(call, data_objects(data), device, held, opt_state)
+    request = received_fit(call, data_objects(data), device, held, optimizer)
     learn = request["learn"]
     distribute(learn, options)
     callbacks = request["callbacks"] + ([ProgressRelay(send)] if send else [])
     return fit_and_keep(lambda: learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks),
-                        lambda: results(learn, request["callbacks"]), send, held,
-                        lambda: state_tensors(learn.model, opt_state(learn)))
+                        lambda: full_state(learn.model, optimizer(learn)),
+                        lambda state: results(learn, request["callbacks"], state), send, held,
+                        lambda: kept_tensors(learn.model, optimizer(learn)))
 
 
-def results(learn: Learner, fit_callbacks: list) -> List[bytes]:
-    """What a fit changed on the learner, in parts that come back one after the other: the weights and optimizer
-    state first, on their own; then the callbacks (of the `fit_callbacks`, given to the fit, their state), together,
-    or (if that fails) each alone and without what of it cannot be pickled (a lock, a socket): an
-    unpicklable attribute never costs the weights."""
+def results(learn: Learner, fit_callbacks: list, state: dict) -> List[bytes]:
+    """What a fit changed on the learner, in parts that come back one after the other: its whole `state` (full_state:
+    the weights and the optimizer's state) and the optimizer's hyper-parameters first, on their own; then the callbacks
+    (of the `fit_callbacks`, given to the fit, their state), together, or (if that fails) each alone and without what
+    of it cannot be pickled (a lock, a socket): an unpicklable attribute never costs the weights."""
     objects = {**learner_objects(learn), **fit_callback_objects(fit_callbacks)}
-    parts = [dumps(dict(state=model_state(learn.model), opt=learn.opt), objects=objects)]
-    objects["opt"] = learn.opt  # the callbacks (the recorder) hold the same optimizer: a reference to the first part's
+    opt = getattr(learn, "opt", None)
+    objects["opt"] = opt  # what holds the optimizer (the recorder) gets the notebook's own
+    parts = [dumps(dict(state=state, hypers=hypers(learn) if opt else None), objects=objects)]
     callbacks = dict(callbacks=learn.callbacks, attrs=_attached_callbacks(learn),
                      fit=[vars(cb) for cb in fit_callbacks])
     try:
@@ -126,10 +129,12 @@ def apply_results(learn: Learner, parts: List[bytes], bar: Any, fit_callbacks: l
     copies."""
     objects = {**learner_objects(learn), **fit_callback_objects(fit_callbacks), "bar": bar}
     got = loads(parts[0], objects, learn.data.device)
-    load_model_state(learn.model, got["state"])
-    learn.opt = got["opt"]
-    move_optimizer_state(opt_state(learn))
-    objects["opt"] = learn.opt
+    if got["state"]["opt"] is not None and not getattr(learn, "opt", None):  # the fit made the workers' learner one
+        learn.create_opt(defaults.lr, learn.wd)
+    load_full_state(learn.model, optimizer(learn), got["state"])
+    if got["hypers"] is not None:
+        set_hypers(learn, got["hypers"])
+    objects["opt"] = getattr(learn, "opt", None)
     got = [loads(part, objects, learn.data.device) for part in parts[1:]]
     if len(got) == 1:
         learn.callbacks = got[0]["callbacks"]

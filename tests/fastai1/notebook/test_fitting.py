@@ -1,5 +1,7 @@
 """Notebook mode: a learner bound with to_ddp(nprocs=2) in this plain process fits on a worker group and
 gets back what a launched run and one process (the `ranks` and `reference` fixtures) get."""
+import io
+import pickle
 import re
 import threading
 from functools import partial
@@ -19,8 +21,11 @@ from torch import nn
 from ddipp import Checkpoint
 from ddipp.core.group.binding import FitOnGroup
 from ddipp.core.group.group import _groups
+from ddipp.fastai1.notebook import binding as notebook_binding
+from ddipp.fastai1.notebook.fitting import apply_results
 from compare import TOL, close, max_diff
-from scenario import between_fits, digits_data, digits_learner, history, params, story, tabular_digits_learner
+from scenario import (between_fits, digits_data, digits_learner, history, opt_state, params, story,
+                      tabular_digits_learner)
 
 CPU2 = ("cpu", "cpu")
 
@@ -86,19 +91,44 @@ def test_a_notebook_that_seeds_torch_gets_the_same_numbers_run_after_run(tmp_pat
     assert max_diff(seeded_run(), seeded_run()) == 0
 
 
+class RefusesOptimizers(pickle.Unpickler):
+    """Reads a part of a fit's results, any optimizer object in it refused (references read as None)."""
+
+    def persistent_load(self, pid):
+        return None
+
+    def find_class(self, module, name):
+        if (module, name) == ("fastai.callback", "OptimWrapper") or module.startswith("torch.optim"):
+            raise pickle.UnpicklingError(f"the results hold a {module}.{name}")
+        return super().find_class(module, name)
+
+
 @pytest.mark.slow
-def test_unchanged_data_is_sent_once(tmp_path):
+def test_unchanged_data_is_sent_once(tmp_path, monkeypatch):
+    """Unchanged data is sent once; the optimizer object never travels back: its state comes into the learner's own,
+    which stays the object the first fit made, with a local fit's state and hyper-parameters."""
+    weights = []  # the first part of each fit's results: the weights and the optimizer's state
+    monkeypatch.setattr(notebook_binding, "apply_results",
+                        lambda learn, parts, *args: weights.append(parts[0]) or apply_results(learn, parts, *args))
     learn = digits_learner(digits_data(tmp_path, bs=16)).to_ddp(nprocs=2)
+    local = digits_learner(digits_data(tmp_path, bs=32))
     group = _groups[CPU2]
     learn.fit(1, 1e-2)
-    first = group.last_sent
+    local.fit(1, 1e-2)
+    first, opt = group.last_sent, learn.opt
     assert learn.recorder.opt is learn.opt  # as after a local fit: one optimizer, not a copy per part of the results
-    learn.fit(1, 1e-2)
+    learn.fit(1, 1e-3)
+    local.fit(1, 1e-3)
     again = group.last_sent
     learn.data = digits_data(tmp_path, bs=16)  # an equal copy: nothing to send either
     learn.fit(1, 1e-2)
+    local.fit(1, 1e-2)
     assert first["data"] > 400_000 and again["data"] == 0 and group.last_sent["data"] == 0
     assert 0 < again["call"] < first["data"] / 10
+    assert learn.opt is opt and learn.recorder.opt is opt and close(opt_state(learn), opt_state(local))
+    moments = [[s["exp_avg"] for s in (l.opt.opt.state[p] for p in l.model.parameters())] for l in (learn, local)]
+    assert len(moments[0]) == len(moments[1]) == 4 and max_diff(*moments) <= TOL
+    assert len(weights) == 3 and all(RefusesOptimizers(io.BytesIO(part)).load()["state"]["opt"] for part in weights)
 
 
 @pytest.mark.slow
