@@ -1,5 +1,5 @@
 """The steps of a distributed fit that both adapters' DistributedCallbacks take alike."""
-from typing import List, Optional, Protocol
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,14 +50,22 @@ def meet_at_end() -> None:
         raise
 
 
-class DistributedFit(Protocol):
+class DistributedFit:
     """What a callback may know of the distributed fit it runs in: each adapter's `distributed_fit(learn)` gives it
-    while such a fit runs (its model wrapped, its training loader sharded), else None."""
-    rank: int
-    world_size: int
-    strategy: Strategy  # how the fit holds the model: read and load its whole state through it
-    shuffle_seed: int  # the seed the training order is drawn with, alike on every rank (a Checkpoint restores it)
-    n_items: int  # the items of the whole training set the order is drawn from
+    while such a fit runs (its model wrapped, its training loader sharded), else None. `order` is the sampler that
+    draws the training order alike on every rank (it holds the seed), `n_items` the items of the whole training set
+    it draws from, `epoch_order()` this rank's items of the current epoch (indices into the set), in its order."""
 
-    def epoch_order(self) -> List[int]:
-        """This rank's items of the current epoch (indices into the training set), in the order it takes them."""
+    def __init__(self, rank: int, world_size: int, strategy: Strategy, order, n_items: int,
+                 epoch_order: Callable[[], List[int]]):
+        self.rank, self.world_size, self.strategy, self.n_items = rank, world_size, strategy, n_items
+        self._order, self.epoch_order = order, epoch_order
+
+    @property
+    def shuffle_seed(self) -> int:
+        """The seed the training order is drawn with, alike on every rank (a Checkpoint restores it)."""
+        return self._order.seed
+
+    @shuffle_seed.setter
+    def shuffle_seed(self, seed: int) -> None:
+        self._order.seed = seed

@@ -12,7 +12,7 @@ metrics on each rank alone: the `validate` of ddipp.fastai1.learner).
 import math
 from contextlib import ExitStack
 from functools import partial
-from typing import List, Optional
+from typing import Optional
 
 import fastprogress.fastprogress
 import numpy as np
@@ -223,38 +223,17 @@ class DistributedCallback(LearnerCallback):
 def distributed_fit(learn: Learner) -> Optional[DistributedFit]:
     """The distributed fit the learner runs (its loaders sharded, its model wrapped), else None: how the other
     callbacks learn whether, and how, the fit they are in is distributed."""
-    callback = _running_callback(learn)
-    return None if callback is None else _Fit(callback)
+    cb = _running_callback(learn)
+    if cb is None:
+        return None
+    sampler = cb.train_sampler
+    return DistributedFit(cb.rank, cb.world_size, cb.strategy, sampler, len(sampler.sampler), lambda: list(sampler))
 
 
 def _running_callback(learn: Learner) -> Optional[DistributedCallback]:
     """The learner's DistributedCallback while a distributed fit runs, else None."""
     ddp = getattr(learn, "distributed_callback", None)
     return ddp if ddp is not None and ddp.distributed else None
-
-
-class _Fit:
-    """ddipp.core.fit.DistributedFit of the fit a DistributedCallback runs: its rank, its strategy, and the sampler of
-    its sharded training loader (ShardedSampler or SplitBatchSampler)."""
-
-    def __init__(self, callback: DistributedCallback):
-        self.rank, self.world_size, self.strategy = callback.rank, callback.world_size, callback.strategy
-        self._sampler = callback.train_sampler
-
-    @property
-    def shuffle_seed(self) -> int:
-        return self._sampler.seed
-
-    @shuffle_seed.setter
-    def shuffle_seed(self, seed: int) -> None:
-        self._sampler.seed = seed
-
-    @property
-    def n_items(self) -> int:
-        return len(self._sampler.sampler)
-
-    def epoch_order(self) -> List[int]:
-        return list(self._sampler)
 
 
 def _restore(learn: Learner, model: nn.Module, train_dl, valid_dl) -> None:

@@ -11,7 +11,7 @@ import copy
 import os
 import sys
 from contextlib import ExitStack, contextmanager
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -297,8 +297,10 @@ def imported(module: str, *names: str) -> tuple:
 def distributed_fit(learn) -> Optional[DistributedFit]:
     """The distributed fit the learner runs (its model wrapped, its training loader sharded), else None: how other
     callbacks learn whether, and how, the fit they are in is distributed."""
-    callback = _running_callback(learn)
-    return None if callback is None else _Fit(callback)
+    cb = _running_callback(learn)
+    if cb is None:
+        return None
+    return DistributedFit(cb.rank, cb.world_size, cb.strategy, cb.shard.order, cb.shard.dl.n, cb.shard.get_idxs)
 
 
 def _running_callback(learn) -> Optional[DistributedCallback]:
@@ -307,30 +309,6 @@ def _running_callback(learn) -> Optional[DistributedCallback]:
         if isinstance(cb, DistributedCallback) and cb.running:
             return cb
     return None
-
-
-class _Fit:
-    """ddipp.core.fit.DistributedFit of the fit a DistributedCallback runs: its rank, its strategy, and the order of
-    its sharded training loader (ShardedTrainDL or SplitTrainDL)."""
-
-    def __init__(self, callback: DistributedCallback):
-        self.rank, self.world_size, self.strategy = callback.rank, callback.world_size, callback.strategy
-        self._shard = callback.shard
-
-    @property
-    def shuffle_seed(self) -> int:
-        return self._shard.order.seed
-
-    @shuffle_seed.setter
-    def shuffle_seed(self, seed: int) -> None:
-        self._shard.order.seed = seed
-
-    @property
-    def n_items(self) -> int:
-        return self._shard.dl.n
-
-    def epoch_order(self) -> List[int]:
-        return self._shard.get_idxs()
 
 
 class _FitGuard:
