@@ -51,7 +51,6 @@ class DistributedCallback(LearnerCallback):
         super().__init__(learn)
         self.options = Options(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
                                split_batches=split_batches)
-        self.split_batches = split_batches
         self.strategy = parallel.strategy(self.options)  # how the fit holds the model (DDP)
         self.distributed = False  # between a fit's on_train_begin and the undoing of what it changed
         self.fitting = False  # from a distributed fit's on_train_begin to its on_train_end
@@ -81,7 +80,7 @@ class DistributedCallback(LearnerCallback):
         self.fitting = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         learn, data = self.learn, self.learn.data
-        if self.split_batches:
+        if self.options.split_batches:
             sharded = split_train_loader(data.train_dl, self.rank, self.world_size, shared_seed())
             check_split(data.train_dl.dl.batch_sampler.batch_size, self.world_size,
                         sharded.dl.batch_sampler.smallest_part(), has_batchnorm(learn.model), self.options.sync_bn)
@@ -100,7 +99,8 @@ class DistributedCallback(LearnerCallback):
         self.undo.callback(_restore, learn, model, train_dl, valid_dl)
         learn.model = self.strategy.wrap(model, optimizer(learn), self.undo)
         data.train_dl = sharded
-        self.train_sampler = sharded.dl.batch_sampler if self.split_batches else sharded.dl.batch_sampler.sampler
+        batches = sharded.dl.batch_sampler
+        self.train_sampler = batches if self.options.split_batches else batches.sampler
         self.undo.callback(_rescale_schedule(learn, len(train_dl) * n_epochs, len(sharded) * n_epochs))
         self.lm_streams = getattr(sharded.dl.dataset, "set_epoch", None)  # language-model streams
         self.padding = _padding(train_dl)
@@ -162,7 +162,7 @@ class DistributedCallback(LearnerCallback):
         batch before backward, and AccumulateScheduler counts the whole batch's items."""
         if not self.distributed:
             return
-        sizes = self.train_sampler.sizes(self.train_batch) if self.split_batches else None
+        sizes = self.train_sampler.sizes(self.train_batch) if self.options.split_batches else None
         self.step_loss = LossAndStop(last_loss, self.summed_loss, self.world_size, sizes)
         self.losses_recorded = len(self.learn.recorder.losses)  # Recorder adds this step's next
         if sizes is None:

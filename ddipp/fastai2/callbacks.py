@@ -50,7 +50,6 @@ class DistributedCallback(Callback):
     def __init__(self, sync_bn: bool = False, find_unused_parameters: bool = None, split_batches: bool = False):
         self.options = Options(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
                                split_batches=split_batches)
-        self.split_batches = split_batches
         self.strategy = parallel.strategy(self.options)  # how the fit holds the model (DDP)
         self.undo = ExitStack()  # every change a distributed fit made, undone in reverse when it ends
         self.in_fit = False  # inside learn.fit (before_fit also starts validate() and get_preds(), which stay local)
@@ -128,7 +127,7 @@ class DistributedCallback(Callback):
         train = fastai_loader(learn.dls.train)
         if not isinstance(train, DataLoader) or train.bs is None or not train.indexed:
             raise TypeError(_not_shardable(learn.dls.train))
-        if self.split_batches:
+        if self.options.split_batches:
             shard = SplitTrainDL(train, rank, world_size, shared_seed())
             check_split(train.bs, world_size, shard.parts.smallest_part(), has_batchnorm(learn.model),
                         self.options.sync_bn)
@@ -166,7 +165,7 @@ class DistributedCallback(Callback):
         """fastai's GradientAccumulation steps once it counted n_acc samples, and a rank sees 1/N of each global batch:
         for this fit it counts to n_acc/N, so the weights step after n_acc samples across ranks, as in one process.
         (Under split_batches it counts the whole batch: after_loss gathers it.)"""
-        if self.split_batches:
+        if self.options.split_batches:
             return
         accumulation = imported("fastai.callback.training", "GradientAccumulation")
         for cb in self.learn.cbs:
@@ -221,7 +220,7 @@ class DistributedCallback(Callback):
         learn = self.learn
         if not (self.running and learn.training):
             return
-        sizes = self.shard.sizes(learn.iter) if self.split_batches else None
+        sizes = self.shard.sizes(learn.iter) if self.options.split_batches else None
         self.step_loss = LossAndStop(learn.loss, self.summed_loss, self.world_size, sizes)
         if sizes is not None:
             learn.loss_grad = learn.loss_grad * split_weight(sizes, self.summed_loss)
