@@ -2,7 +2,7 @@
 the checks of what to_ddp is given against a launch, a split batch, or a notebook's host."""
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,7 +19,8 @@ WORKER_MEMORY = {True: 20 << 20, False: 380 << 20}
 @dataclass(frozen=True)
 class Options:
     """What to_ddp was given besides where to run: ddipp's callbacks read it in every fit (`sync_bn`,
-    `find_unused_parameters`, `lr_find_mode`, `split_batches`), a notebook's binding the rest (`timeout`, `restarts`).
+    `find_unused_parameters`, `lr_find_mode`, `split_batches`, `shard`, `shard_units`), a notebook's binding the rest
+    (`timeout`, `restarts`).
     Made, it is checked: a bad value is a ValueError naming it and what to give instead."""
     sync_bn: bool = False
     find_unused_parameters: Optional[bool] = None
@@ -27,6 +28,8 @@ class Options:
     split_batches: bool = False
     timeout: float = 600
     restarts: int = 0
+    shard: bool = False
+    shard_units: Optional[Callable] = None
 
     def __post_init__(self) -> None:
         lr_find_mode, timeout, split_batches, restarts = (self.lr_find_mode, self.timeout, self.split_batches,
@@ -49,6 +52,23 @@ class Options:
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ValueError(f"to_ddp(restarts={restarts!r}): restarts is how many times a notebook fit whose worker "
                              "died starts a new group and resumes from its Checkpoint, a whole number >= 0 (default 0)")
+        self._check_shard()
+
+    def _check_shard(self) -> None:
+        if not isinstance(self.shard, bool):
+            raise ValueError(f"to_ddp(shard={self.shard!r}): True (each process holds 1/N of the parameters, "
+                             "gradients and optimizer state during a fit) or False (the default: each holds them all)")
+        if self.shard_units is not None and not (self.shard and callable(self.shard_units)):
+            raise ValueError(f"to_ddp(shard_units={self.shard_units!r}): a function of the model giving the modules "
+                             "to shard as units, with shard=True, e.g. shard_units=lambda model: list(model.layers)")
+        if not self.shard:
+            return
+        if self.find_unused_parameters:
+            raise ValueError("to_ddp(shard=True, find_unused_parameters=True): a sharded fit has no search for unused "
+                             "parameters (FSDP reduces every parameter that has a gradient, and every rank must have "
+                             "the same ones): leave find_unused_parameters out, or leave shard out for DDP's search")
+        from .shard import fully_shard_api
+        fully_shard_api()
 
 
 def check_split(bs: int, world_size: int, smallest_part: int, batchnorm: bool, sync_bn: bool) -> None:

@@ -1,6 +1,6 @@
 """How a distributed fit holds the model: a `Strategy` wraps it (and owns the optimizer's parameters), reads its whole
-state and loads it back, on every rank. `strategy(options)` chooses one; DDP (every rank a whole copy, gradients
-averaged) is the one today. The adapters' DistributedCallbacks build it once and ask it; they never name DDP."""
+state and loads it back, on every rank. `strategy(options)` chooses one: DDP (every rank a whole copy, gradients
+averaged), or Shard (ddipp.core.shard: each rank 1/N of it) with `shard=True`. The adapters' DistributedCallbacks build it once and ask it; they never name DDP."""
 from contextlib import ExitStack
 from typing import Any, Optional, Protocol
 
@@ -14,7 +14,9 @@ from .syncbn import convert_sync_bn
 
 
 class Strategy(Protocol):
-    """What a distributed fit asks of the way it holds the model; every rank calls each method."""
+    """What a distributed fit asks of the way it holds the model; every rank calls each method. `shards`: whether
+    each rank holds only part of it (its state is then gathered to be read)."""
+    shards: bool
 
     def wrap(self, model: nn.Module, optimizer: Any, undo: ExitStack) -> nn.Module:
         """The model as this fit trains it, `optimizer` (the learner's, or None) stepping its parameters; `undo`
@@ -30,6 +32,9 @@ class Strategy(Protocol):
 
 def strategy(options: Options) -> Strategy:
     """The Strategy of a fit with `options`."""
+    if options.shard:
+        from .shard import Shard
+        return Shard(options.sync_bn, options.shard_units)
     return DDP(options)
 
 
@@ -40,6 +45,7 @@ class DDP:
     `find_unused_parameters=None` turns it on for a model with `reset()`: fastai's RNNs (AWD-LSTM) leave some
     parameters out of some steps. Parameters with no element (fastai's TabularModel keeps `BatchNorm1d(0)` when it
     has no continuous column) can never get a gradient: DDP leaves them out of its reduction."""
+    shards = False
 
     def __init__(self, options: Options):
         self.sync_bn, self.find_unused_parameters = options.sync_bn, options.find_unused_parameters

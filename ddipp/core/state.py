@@ -62,6 +62,35 @@ def plain_model(learn: Any):
         learn.model = model
 
 
+@contextmanager
+def savable(learn: Any, optimizer: Any, strategy: Optional["Strategy"], opt_form=lambda state: state):
+    """The learner as fastai's save reads it (`learn.model`, `learn.opt`) for the block, then back: its plain model,
+    or, while `strategy` shards it, stand-ins holding its whole state (every rank calls; rank 0 holds it), the
+    optimizer's in the form fastai writes (`opt_form`)."""
+    if strategy is None or not strategy.shards:
+        with plain_model(learn):
+            yield
+        return
+    state = full_state(learn.model, optimizer, strategy) or dict(model=None, opt=None)
+    model, opt = learn.model, learn.opt
+    learn.model = _Read(state["model"])
+    learn.opt = None if state["opt"] is None else _Read(opt_form(state["opt"]))
+    try:
+        yield
+    finally:
+        learn.model, learn.opt = model, opt
+
+
+class _Read:
+    """A state read once, standing in for its model or optimizer where fastai calls state_dict()."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
 def move_optimizer_state(optimizer: Any) -> None:
     """Put the optimizer's per-parameter state tensors (not its scalar steps) on the device of their parameter."""
     for param, state in ({} if optimizer is None else optimizer.state).items():

@@ -47,11 +47,11 @@ class DistributedCallback(LearnerCallback):
     _order = -20  # before Recorder (-10): it must record the global loss, and stay silent on rank > 0
 
     def __init__(self, learn: Learner, sync_bn: bool = False, find_unused_parameters: bool = None,
-                 split_batches: bool = False):
+                 split_batches: bool = False, shard: bool = False, shard_units=None):
         super().__init__(learn)
         self.options = Options(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
-                               split_batches=split_batches)
-        self.strategy = parallel.strategy(self.options)  # how the fit holds the model (DDP)
+                               split_batches=split_batches, shard=shard, shard_units=shard_units)
+        self.strategy = parallel.strategy(self.options)  # how the fit holds the model (DDP, or sharded)
         self.distributed = False  # between a fit's on_train_begin and the undoing of what it changed
         self.fitting = False  # from a distributed fit's on_train_begin to its on_train_end
         self.alone = False  # from a fit's on_train_begin on a group of one rank to its on_train_end
@@ -123,9 +123,13 @@ class DistributedCallback(LearnerCallback):
         """This epoch goes on at its training batch `batch` (a mid-epoch Checkpoint's): a split batch's parts follow."""
         self.train_batch = batch
 
-    def undistribute(self) -> None:
-        """Put back the plain model and the original loaders; the rest of the fit runs as one process."""
-        self.undo.close()
+    def undistribute(self, error: Optional[BaseException] = None) -> None:
+        """Put back the plain model and the original loaders; the rest of the fit runs as one process. After the
+        `error` the fit raised, without a collective (a peer may be gone)."""
+        if error is None:
+            self.undo.close()
+        else:
+            self.undo.__exit__(type(error), error, error.__traceback__)
         self.distributed, self.step_loss = False, None
 
     def read_passes(self, passes: int) -> None:
@@ -209,7 +213,8 @@ class DistributedCallback(LearnerCallback):
     def on_train_end(self, exception, **kwargs) -> None:
         if exception and self.step_loss is not None:
             self._drop_cut_step()
-        self.undistribute()
+        healthy = not exception or isinstance(exception, ddist.StopRequested)  # an interrupt stopped every rank alike
+        self.undistribute(None if healthy else exception)
         self.unmute.close()
         fitting, self.fitting, self.alone = self.fitting, False, False
         if not (fitting and dist.is_initialized()):

@@ -15,17 +15,20 @@ from ..core import dist as ddist
 from ..core.resume import restart_count
 from ..core.options import Options, check_matches_launch, notebook_devices
 from ..core.files import replacing, writing_as_rank_0
-from ..core.state import plain_model
-from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, hide_progress_bars
+from ..core.shard import check_shardable
+from ..core.state import savable
+from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, distributed_fit, hide_progress_bars
 from .checkpoint import Checkpoint
 from .loaders import lm_eval_loader
+from .state import optimizer
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 
 
 def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None,
            sync_bn: bool = False, find_unused_parameters: Optional[bool] = None,
-           lr_find_mode: str = "solo", timeout: float = 600, split_batches: bool = False, restarts: int = 0) -> Learner:
+           lr_find_mode: str = "solo", timeout: float = 600, split_batches: bool = False, restarts: int = 0,
+           shard: bool = False, shard_units=None) -> Learner:
     """Make every later fit of `learn` distributed; a no-op in a plain process given neither `gpus` nor `nprocs`.
 
     In a launched process it joins the launcher's group (`gpus`/`nprocs`, if given, must match it). Elsewhere
@@ -34,15 +37,23 @@ def to_ddp(learn: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optiona
     the others in a collective before the fit fails instead of hanging. `split_batches=True` keeps the training
     loader's batch as the global batch, each process taking its part (one process's steps and numbers); by default
     each process takes a whole batch. In a notebook, `restarts=N` runs a fit whose worker died again on a new group,
-    up to N times, resuming from the fit's Checkpoint."""
-    options = Options(sync_bn, find_unused_parameters, lr_find_mode, split_batches, timeout, restarts)
+    up to N times, resuming from the fit's Checkpoint. `shard=True` has each process hold 1/N of the parameters,
+    gradients and optimizer state during a fit (FSDP2), sharded in units `shard_units(model)` gives
+    (ddipp.core.shard's default otherwise); the learner is whole again after it."""
+    options = Options(sync_bn, find_unused_parameters, lr_find_mode, split_batches, timeout, restarts, shard,
+                      shard_units)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return learn
         from .notebook.binding import bind
-        bind(learn, notebook_devices(gpus, nprocs), options)  # and says the global batch
+        devices = notebook_devices(gpus, nprocs)
+        if shard:
+            check_shardable(learn.model, len(devices))
+        bind(learn, devices, options)  # and says the global batch
         return learn
     check_matches_launch(gpus, nprocs, restarts)
+    if shard:
+        check_shardable(learn.model, ddist.world_size())
     return distribute(learn, options)
 
 
@@ -58,7 +69,8 @@ def distribute(learn: Learner, options: Options) -> Learner:
         setattr(learn, name, MethodType(method, learn))
     learn.callback_fns += [partial(DistributedCallback, sync_bn=options.sync_bn,
                                    find_unused_parameters=options.find_unused_parameters,
-                                   split_batches=options.split_batches),
+                                   split_batches=options.split_batches, shard=options.shard,
+                                   shard_units=options.shard_units),
                            partial(LRFinderBypassCallback, mode=options.lr_find_mode), GCCallback]
     return learn
 
@@ -70,8 +82,14 @@ def distribute(learn: Learner, options: Options) -> Learner:
 def _save(self, file=None, return_path: bool = False, with_opt: bool = True):
     # A file replaces the target only once it is whole (fastai writes in place: a crash mid-write would leave neither
     # the old model nor the new); rank 0 alone writes it. A buffer is this process's own: it gets the bytes anywhere.
-    # A compiled model's file holds the plain model's keys (without torch.compile's `_orig_mod.`).
-    with plain_model(self):
+    # A compiled model's file holds the plain model's keys (without torch.compile's `_orig_mod.`); a sharded fit's
+    # whole state is gathered (every rank calls save).
+    fit = distributed_fit(self)
+    strategy = fit.strategy if fit else None
+    if strategy is not None and strategy.shards and not is_pathlike(file):
+        raise ValueError(f"learn.save({file!r}) during a fit with to_ddp(shard=True): rank 0 alone holds the whole "
+                         "state; save to a file name (rank 0 writes it)")
+    with savable(self, optimizer(self), strategy):
         if not is_pathlike(file):
             with writing_as_rank_0():
                 return type(self).save(self, file, return_path, with_opt)

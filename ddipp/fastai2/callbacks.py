@@ -47,15 +47,16 @@ class DistributedCallback(Callback):
     loss and every metric are one process's; outside a fit (validate, get_preds) every rank evaluates alone."""
     order = -5  # after TrainEvalCallback (-10) put the model on its device; before Recorder (50) and the bars (60)
 
-    def __init__(self, sync_bn: bool = False, find_unused_parameters: bool = None, split_batches: bool = False):
+    def __init__(self, sync_bn: bool = False, find_unused_parameters: bool = None, split_batches: bool = False,
+                 shard: bool = False, shard_units=None):
         self.options = Options(sync_bn=sync_bn, find_unused_parameters=find_unused_parameters,
-                               split_batches=split_batches)
-        self.strategy = parallel.strategy(self.options)  # how the fit holds the model (DDP)
+                               split_batches=split_batches, shard=shard, shard_units=shard_units)
+        self.strategy = parallel.strategy(self.options)  # how the fit holds the model (DDP, or sharded)
         self.undo = ExitStack()  # every change a distributed fit made, undone in reverse when it ends
         self.in_fit = False  # inside learn.fit (before_fit also starts validate() and get_preds(), which stay local)
         self.joined = False  # this fit began on a group of 2 or more ranks: at its end they meet, or this rank leaves
         self.alone = False  # this fit began on a group of one rank: it trains as one process, and stops when asked
-        self.running = False  # the model is wrapped and the training loader sharded (until undistribute/run_alone)
+        self.running = False  # the model is wrapped and the training loader sharded (until undistribute)
         self.rank, self.world_size = 0, 1
         self.shard = None  # this fit's ShardedTrainDL or SplitTrainDL (its set_epoch)
         self.parts = None  # the ShardedEvalDL of the validation running, when it is split across ranks
@@ -92,7 +93,7 @@ class DistributedCallback(Callback):
             raise
         except BaseException as e:
             self._drop_cut_step()
-            self.undistribute()
+            self.undistribute(e)
             self._leave_after(e)
             raise
         else:
@@ -183,9 +184,13 @@ class DistributedCallback(Callback):
         _set_quietly(recorder, "smooth_loss", smooth)
         self.undo.callback(smooth.hand_back, recorder)
 
-    def undistribute(self) -> None:
-        """Put back the plain model and the original loaders (and whatever else this fit changed)."""
-        self.undo.close()
+    def undistribute(self, error: Optional[BaseException] = None) -> None:
+        """Put back the plain model and the original loaders (and whatever else this fit changed); after the `error`
+        the fit raised, without a collective (a peer may be gone)."""
+        if error is None:
+            self.undo.close()
+        else:
+            self.undo.__exit__(type(error), error, error.__traceback__)
         self.running, self.shard, self.parts, self.step_loss = False, None, None, None
 
     def hide_group_from_fastai(self) -> None:
@@ -193,11 +198,6 @@ class DistributedCallback(Callback):
         barriers (ddipp's own collectives are unaffected)."""
         self.undo.callback(os.environ.__setitem__, "WORLD_SIZE", os.environ["WORLD_SIZE"])
         os.environ["WORLD_SIZE"] = "1"
-
-    def run_alone(self) -> None:
-        """The rest of this fit runs on this rank as one process: the plain model and loaders, fastai told so."""
-        self.undistribute()
-        self.hide_group_from_fastai()
 
     def before_epoch(self) -> None:
         if self.running:
@@ -381,11 +381,14 @@ class LRFinderBypassCallback(Callback):
         if running is None or not isinstance(getattr(self.learn, "lr_finder", None),
                                             imported("fastai.callback.schedule", "LRFinder")):
             return
-        self.before_sweep = copy.deepcopy(full_state(self.learn.model, optimizer(self.learn), running.strategy))
-        if self.mode == "solo" and running.rank == 0:
-            running.run_alone()
-        elif self.mode == "distributed":
-            running.hide_group_from_fastai()
+        if self.mode == "solo":  # every rank puts the plain model back (a sharded one is gathered: all take part)
+            running.undistribute()
+            self.before_sweep = copy.deepcopy(full_state(self.learn.model, optimizer(self.learn)))
+            if running.rank == 0:
+                running.hide_group_from_fastai()
+        else:
+            self.before_sweep = copy.deepcopy(full_state(self.learn.model, optimizer(self.learn), running.strategy))
+            running.hide_group_from_fastai()  # fastai's LRFinder saves and reloads on rank 0 alone
             steps = self.learn.lr_finder.num_it  # LRFinder stops there; fastai counted epochs on the unsharded loader
             self.learn.n_epoch = max(self.learn.n_epoch, steps // len(self.learn.dls.train) + 1)
 

@@ -10,13 +10,16 @@ from fastai.learner import Learner
 from fastcore.xtras import join_path_file
 from fastai.torch_core import rank_distrib
 from fastcore.basics import patch
+from fastcore.foundation import L
 
 from ..core import dist as ddist
 from ..core.options import Options, check_matches_launch, notebook_devices
+from ..core.shard import check_shardable
 from ..core.files import replacing, writing_as_rank_0
 from ..core.group.wire import BINDING_ATTRS
-from ..core.state import plain_model
-from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
+from ..core.state import savable
+from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback, distributed_fit
+from .state import optimizer
 from .loaders import batch_size
 
 _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
@@ -24,7 +27,7 @@ _DDIPP_CALLBACKS = (DistributedCallback, LRFinderBypassCallback, GCCallback)
 @patch
 def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional[int] = None, sync_bn: bool = False,
            find_unused_parameters: Optional[bool] = None, lr_find_mode: str = "solo", timeout: float = 600,
-           split_batches: bool = False, restarts: int = 0) -> Learner:
+           split_batches: bool = False, restarts: int = 0, shard: bool = False, shard_units=None) -> Learner:
     """Make every later fit of this learner distributed; a no-op in a plain process given neither `gpus` nor `nprocs`.
 
     In a process started by `python -m ddipp.launch` it joins the launcher's group (`gpus`/`nprocs`, if given, must
@@ -35,19 +38,27 @@ def to_ddp(self: Learner, gpus: Optional[Sequence[int]] = None, nprocs: Optional
     others in a collective before the fit fails instead of hanging. `split_batches=True` keeps the training loader's
     batch as the global batch, each process taking its part (one process's steps and numbers); by default each process
     takes a whole batch. In a notebook, `restarts=N` runs a fit whose worker died again on a new group, up to N times,
-    resuming from the fit's Checkpoint."""
-    options = Options(sync_bn, find_unused_parameters, lr_find_mode, split_batches, timeout, restarts)
+    resuming from the fit's Checkpoint. `shard=True` has each process hold 1/N of the parameters, gradients and
+    optimizer state during a fit (FSDP2), sharded in units `shard_units(model)` gives (ddipp.core.shard's default
+    otherwise); the learner is whole again after it."""
+    options = Options(sync_bn, find_unused_parameters, lr_find_mode, split_batches, timeout, restarts, shard,
+                      shard_units)
     if not ddist.launched():
         if gpus is None and nprocs is None:
             return self
         from ..core.group.binding import bind
         from .notebook import fitting
         from .notebook.binding import fit_on_group
-        bind(self, notebook_devices(gpus, nprocs), options, fit_on_group, fitting=fitting.__name__)
+        devices = notebook_devices(gpus, nprocs)
+        if shard:
+            check_shardable(self.model, len(devices))
+        bind(self, devices, options, fit_on_group, fitting=fitting.__name__)
         self.save, self.export = AtomicSave(self), AtomicExport(self)  # the exported learner is not bound
         self.ddp.say_global_batch(batch_size(self.dls.train))
         return self
     check_matches_launch(gpus, nprocs, restarts)
+    if shard:
+        check_shardable(self.model, ddist.world_size())
     return distribute(self, options)
 
 
@@ -58,7 +69,8 @@ def distribute(learn: Learner, options: Options) -> Learner:
     if not ddist.is_rank0():
         fastprogress.fastprogress.NO_BAR = True  # rank 0 draws the bars, also of validate() and get_preds()
     from_ddp(learn)
-    learn.add_cbs([DistributedCallback(options.sync_bn, options.find_unused_parameters, options.split_batches),
+    learn.add_cbs([DistributedCallback(options.sync_bn, options.find_unused_parameters, options.split_batches,
+                                       options.shard, options.shard_units),
                    LRFinderBypassCallback(mode=options.lr_find_mode), GCCallback()])
     learn.save, learn.export = AtomicSave(learn), AtomicExport(learn)
     return learn
@@ -84,15 +96,20 @@ to_ddp, from_ddp = Learner.to_ddp, Learner.from_ddp  # also ddipp.to_ddp(learn, 
 class AtomicSave:
     """`learn.save` of a learner under ddipp: fastai's own save (rank 0 writes a file; a buffer gets the bytes on every
     rank) of the plain model (a compiled one's keys without torch.compile's `_orig_mod.`: the file loads into the
-    uncompiled model), into a file that replaces the target only once it is whole (fastai writes in place: a crash
-    mid-write would leave neither the old model nor the new)."""
+    uncompiled model; a sharded fit's whole state, gathered), into a file that replaces the target only once it is
+    whole (fastai writes in place: a crash mid-write would leave neither the old model nor the new)."""
 
     def __init__(self, learn: Learner):
         self.learn = weakref.ref(learn)
 
     def __call__(self, file, **kwargs):
         learn = self.learn()
-        with plain_model(learn):
+        fit = distributed_fit(learn)
+        strategy = fit.strategy if fit else None
+        if strategy is not None and strategy.shards and not isinstance(file, (str, Path)):
+            raise ValueError(f"learn.save({file!r}) during a fit with to_ddp(shard=True): rank 0 alone holds the whole "
+                             "state; save to a file name (rank 0 writes it)")
+        with savable(learn, optimizer(learn), strategy, lambda state: dict(state, hypers=L(state["hypers"]))):
             if not isinstance(file, (str, Path)):  # a buffer is this process's own: it gets the bytes on every rank
                 with writing_as_rank_0():
                     return type(learn).save(learn, file, **kwargs)

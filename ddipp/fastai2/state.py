@@ -25,6 +25,11 @@ class FastaiOptimizer:
     def state(self) -> dict:
         return self.opt.state
 
+    @property
+    def param_groups(self) -> list:
+        """fastai's parameter lists as a torch optimizer's groups: {"params": the list itself}, changed in place."""
+        return [{"params": params} for params in self.opt.param_lists]
+
     def state_dict(self) -> dict:
         state = self.opt.state_dict()
         return dict(state, hypers=[dict(h) for h in state["hypers"]]) if "hypers" in state else state
