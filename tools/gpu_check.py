@@ -30,6 +30,16 @@ BN_TOL = 1e-4  # weights, running statistics, validation numbers against one pla
 GC_MIN_RELEASE = 256 * 2**20  # bytes GCCallback must give back after a fit that cached about 1 GiB of activations
 OVERHEAD_TARGET = 2.0  # % per step, world-size-1 NCCL under ddipp against plain fastai
 ROUNDS = 3  # interleaved (plain, launched) pairs of the overhead check
+ONE_RANK_TOL = 1e-6  # a --gpus 0 rank with shard=True against one plain GPU process: the same kernels, 0 expected
+SHARD_TOL = 1e-5  # weights of 2 sharded ranks against one plain GPU process (cuBLAS sums 16 + 16 rows, not 32)
+SHARD_HELD = 0.55  # of DDP's bytes of parameters, gradients and optimizer state a rank holds with shard=True on 2
+# ranks: 1/2 + 5 % (FSDP2 pads dim 0 to a multiple of the ranks; the wide MLP needs no padding)
+SHARD_PEAK = 0.75  # of DDP's training peak (max_memory_allocated) a rank reaches with shard=True on 2 ranks: DDP
+# holds 5 model sizes (parameters, gradients, Adam's 2 states, its buckets), shard=True 2 and a unit or two gathered
+# whole for its forward and backward: about 0.5 expected
+BF16_TOL = 0.05  # |bf16 run's update - fp32's| / |fp32's|: bf16 rounds each weight and activation to 8 significant
+# bits (0.2 %), with float32 sums in the matmuls and an fp32 reduction, so a step's gradient is within about 1 % of
+# fp32's and SGD's update is linear in it; a reduction that summed instead of averaged, or none, is off by 100 %
 
 
 class Verdict(NamedTuple):
@@ -193,6 +203,87 @@ def gloo_pair(setup: Setup) -> str:
             "themselves: ddipp.launch gives CUDA ranks NCCL, one GPU each)")
 
 
+@cache
+def plain_shard(setup: Setup) -> dict:
+    """The digits MLP fitted by one plain GPU process with batch 32: the reference of the sharded checks."""
+    return worker(setup, "shard-plain", 2, "shard")[0]
+
+
+def weights_gap(got: dict, want: dict, tol: float) -> str:
+    """The largest weight difference from one plain GPU process, in words; CheckFailed above `tol` or when the
+    weights are not plain parameters after the fit."""
+    expect(got["plain"], "the model's parameters are not plain nn.Parameters after the fit")
+    gap = max(float((a - b).abs().max()) for a, b in zip(got["params"], want["params"]))
+    words = f"weights max |diff| from one plain GPU process {gap:.1e} (tol {tol:.0e})"
+    expect(len(got["params"]) == len(want["params"]) and gap <= tol, words)
+    return words
+
+
+def shard_one_rank(setup: Setup) -> str:
+    """A `--gpus 0` rank (NCCL, world size 1) with fastai v2's to_ddp(shard=True) says it trains whole, and does:
+    the weights of one plain GPU process."""
+    [got] = worker(setup, "shard-nccl", 2, "shard", ("--gpus", "0"))
+    expect((got["backend"], got["world_size"], got["device"]) == ("nccl", 1, "cuda:0"),
+           f"ran on {got['backend']}, {got['world_size']} rank(s), {got['device']}")
+    expect("trains as one process" in got["said"], f"to_ddp(shard=True) printed {got['said']!r}")
+    return f"{weights_gap(got, plain_shard(setup), ONE_RANK_TOL)}; to_ddp said: {got['said'].strip()}"
+
+
+def shard_gloo_pair(setup: Setup) -> str:
+    """2 ranks on cuda:0 over gloo with fastai v2's to_ddp(shard=True), batch 16 each, train as one plain GPU
+    process with 32; both end with the same whole weights."""
+    ranks = worker(setup, "shard-gloo", 2, "shard-gloo", ("--nproc", "2"))
+    places = [(r["backend"], r["world_size"], r["device"]) for r in ranks]
+    expect(places == [("gloo", 2, "cuda:0")] * 2, f"ranks ran on {places}")
+    expect(all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"])), "the ranks' weights differ")
+    return (f"{weights_gap(ranks[0], plain_shard(setup), SHARD_TOL)}; both ranks whole and equal after the fit "
+            "(fastai's SGD with momentum, 2 epochs)")
+
+
+def shard_memory(setup: Setup) -> str:
+    """torch.cuda.max_memory_allocated per rank while 2 ranks sharing cuda:0 over gloo train the 33.6 M-parameter MLP
+    in DDP and with shard=True; CheckFailed above SHARD_PEAK of DDP's peak, or SHARD_HELD of what it holds."""
+    ddp, sharded = (worker(setup, f"memory-{kind}", 2, f"memory-{kind}", ("--nproc", "2")) for kind in ("ddp", "shard"))
+    expect(all(len(ranks) == 2 and r["device"] == "cuda:0" for ranks in (ddp, sharded) for r in ranks),
+           f"ran on {[r['device'] for r in ddp]} and {[r['device'] for r in sharded]}")
+    peak = max(s["peak"] / d["peak"] for s, d in zip(sharded, ddp))
+    held = max(s["held"] / d["held"] for s, d in zip(sharded, ddp))
+    words = (f"training peak per rank (max_memory_allocated): DDP {', '.join(mib(r['peak']) for r in ddp)}, "
+             f"shard=True {', '.join(mib(r['peak']) for r in sharded)}: {peak:.2f} of DDP's (need <= {SHARD_PEAK}); "
+             f"parameters + gradients + Adam state held per rank: DDP {mib(ddp[0]['held'])}, shard=True "
+             f"{', '.join(mib(r['held']) for r in sharded)}: {held:.3f} (need <= {SHARD_HELD}); "
+             f"{ddp[0]['n_params'] / 1e6:.1f} M parameters, fastai's Adam")
+    expect(peak <= SHARD_PEAK and held <= SHARD_HELD, words)
+    return words
+
+
+def fsdp_bf16(setup: Setup) -> str:
+    """Plain torch FSDP2 on 2 ranks sharing cuda:0 over gloo: MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32) computes in bf16, keeps float32 weights, and its SGD update is within BF16_TOL of fp32's."""
+    ranks = worker(setup, "fsdp-bf16", 2, "fsdp-bf16", ("--nproc", "2"))
+    places = [(r["backend"], r["world_size"], r["device"]) for r in ranks]
+    expect(places == [("gloo", 2, "cuda:0")] * 2, f"ranks ran on {places}")
+    fp32, bf16 = ranks[0]["runs"]["fp32"], ranks[0]["runs"]["bf16"]
+    expect((fp32["computed"], bf16["computed"], fp32["stored"], bf16["stored"])
+           == ("torch.float32", "torch.bfloat16", "torch.float32", "torch.float32"),
+           f"computed in {fp32['computed']} and {bf16['computed']}, weights stored in {fp32['stored']} and "
+           f"{bf16['stored']}")
+    expect(all(torch.equal(a, b) for a, b in zip(fp32["start"], bf16["start"])), "the two runs began apart")
+    expect(all(torch.equal(a, b) for run in ("fp32", "bf16")
+               for a, b in zip(ranks[0]["runs"][run]["params"], ranks[1]["runs"][run]["params"])),
+           "the ranks' gathered weights differ")
+
+    def update(run: dict) -> torch.Tensor:
+        return torch.cat([(p - s).flatten() for p, s in zip(run["params"], run["start"])])
+    apart = float((update(bf16) - update(fp32)).norm() / update(fp32).norm())
+    gap = max(float((a - b).abs().max()) for a, b in zip(bf16["params"], fp32["params"]))
+    words = (f"bf16 weights' update {apart:.2%} apart from fp32's (need > 0 and <= {BF16_TOL:.0%}), weights max "
+             f"|diff| {gap:.1e}; computed in bfloat16, weights kept in float32 ({ranks[0]['world_size']} ranks, "
+             "digits MLP, 20 SGD steps)")
+    expect(0 < apart <= BF16_TOL, words)
+    return words
+
+
 def checks(setup: Setup) -> list[tuple[str, Callable[[], list[Verdict]]]]:
     """(name, run) of every check in order; run returns its verdicts or raises CheckFailed."""
     def single(name, check):
@@ -200,7 +291,9 @@ def checks(setup: Setup) -> list[tuple[str, Callable[[], list[Verdict]]]]:
     return [(pytest_label(*test), partial(pytest_verdicts, setup, *test)) for test in PYTESTS] + [
         single("bn-one-rank-nccl", one_rank_bn), single("gc-release-v1", partial(gc_release, fastai=1)),
         single("gc-release-v2", partial(gc_release, fastai=2)), single("nccl-overhead-ws1", overhead),
-        single("gloo-two-ranks-one-gpu", gloo_pair)]
+        single("gloo-two-ranks-one-gpu", gloo_pair), single("shard-one-rank-nccl-v2", shard_one_rank),
+        single("shard-gloo-two-ranks-one-gpu-v2", shard_gloo_pair), single("shard-memory-v2", shard_memory),
+        single("fsdp2-bf16-fp32-reduce", fsdp_bf16)]
 
 
 def one_gpu() -> None:
