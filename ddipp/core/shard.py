@@ -94,10 +94,15 @@ class Shard:
         sharded_model.register_load_state_dict_pre_hook(_whole_to_shards)
 
         def end(error_type, error, traceback) -> None:
-            if error_type is None:
-                _gather_back(sharded_model, params, sharded, optimizer)
-            else:
+            if error_type is not None:
                 began.put_back(to_sharded, optimizer)
+                return
+            try:
+                whole = _gathered(sharded_model, params, sharded, optimizer)
+            except BaseException:  # a peer gone at the very end: the fit failed after all
+                began.put_back(to_sharded, optimizer)
+                raise
+            _take_whole(whole, params, sharded, optimizer)
         undo.push(end)
         return sharded_model
 
@@ -206,25 +211,33 @@ def _broadcast_buffers(module: nn.Module, args) -> None:
         dist.broadcast(buffer, 0)
 
 
-def _gather_back(sharded_model: nn.Module, params: Dict[str, nn.Parameter], sharded: Dict[str, nn.Parameter],
-                 optimizer: Any) -> None:
-    """Every rank: the model's own parameters (and gradients) whole again from their shards, its buffers rank 0's,
-    the optimizer pointed back at them with its state whole."""
+def _gathered(sharded_model: nn.Module, params: Dict[str, nn.Parameter], sharded: Dict[str, nn.Parameter],
+              optimizer: Any) -> dict:
+    """Every rank: each sharded parameter, gradient and optimizer state value gathered whole (the buffers made rank
+    0's); nothing is changed, so a failure leaves the fit's start to put back."""
     from torch.distributed.tensor import DTensor
     _broadcast_buffers(sharded_model, ())
-    for name, p in params.items():
-        s = sharded[name]
-        p.data = s.detach().full_tensor()
-        p.grad = None if s.grad is None else s.grad.full_tensor()
     shard_optimizer_state(optimizer)
-    _repoint(optimizer, {sharded[name]: p for name, p in params.items()})
+    params_out = {name: sharded[name].detach().full_tensor() for name in params}
+    grads = {name: None if sharded[name].grad is None else sharded[name].grad.full_tensor() for name in params}
+    state = {} if optimizer is None else {
+        p: {key: value.full_tensor() if isinstance(value, DTensor) else value
+            for key, value in optimizer.state.get(p, {}).items()} for p in _params(optimizer)}
+    return dict(params=params_out, grads=grads, state=state)
+
+
+def _take_whole(whole: dict, params: Dict[str, nn.Parameter], sharded: Dict[str, nn.Parameter],
+                optimizer: Any) -> None:
+    """The model's own parameters (and gradients) and the optimizer's state from `whole`, the optimizer pointed back
+    at the model's parameters."""
+    for name, p in params.items():
+        p.data, p.grad = whole["params"][name], whole["grads"][name]
     if optimizer is None:
         return
-    for p in _params(optimizer):
-        state = optimizer.state.get(p, {})
-        for key, value in state.items():
-            if isinstance(value, DTensor):
-                state[key] = value.full_tensor()
+    for p, values in whole["state"].items():
+        if values:
+            optimizer.state[p] = values
+    _repoint(optimizer, {sharded[name]: p for name, p in params.items()})
 
 
 class _Began:

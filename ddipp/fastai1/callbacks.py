@@ -214,7 +214,13 @@ class DistributedCallback(LearnerCallback):
         if exception and self.step_loss is not None:
             self._drop_cut_step()
         healthy = not exception or isinstance(exception, ddist.StopRequested)  # an interrupt stopped every rank alike
-        self.undistribute(None if healthy else exception)
+        try:
+            self.undistribute(None if healthy else exception)  # gathers a sharded model, every rank at once
+        except BaseException as e:  # a peer gone by now: the fit failed after all
+            self.unmute.close()
+            self.fitting = self.alone = False
+            ddist.leave_after(e)
+            raise
         self.unmute.close()
         fitting, self.fitting, self.alone = self.fitting, False, False
         if not (fitting and dist.is_initialized()):

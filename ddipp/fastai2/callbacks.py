@@ -87,6 +87,7 @@ class DistributedCallback(Callback):
         self.in_fit = True
         try:
             yield
+            self.undistribute()  # gathers a sharded model, every rank at once: a peer gone by now fails the fit
         except ddist.StopRequested:  # a notebook's interrupt: every rank stopped after the same step, and stays
             self.undistribute()
             self._meet_at_end()
@@ -374,13 +375,15 @@ class LRFinderBypassCallback(Callback):
         if mode not in LR_FIND_MODES:
             raise ValueError(f"mode={mode!r}: use 'solo' (rank 0 sweeps alone) or 'distributed' (global batch)")
         self.mode = mode
-        self.before_sweep = None  # the weights and optimizer state of this rank when the sweep began, else None
+        self.sweeping = False  # a distributed fit's lr_find sweep runs
+        self.before_sweep = None  # the weights and optimizer state when it began (a sharded fit's: rank 0's alone)
 
     def before_fit(self) -> None:
         running = _running_callback(self.learn)
         if running is None or not isinstance(getattr(self.learn, "lr_finder", None),
                                             imported("fastai.callback.schedule", "LRFinder")):
             return
+        self.sweeping = True
         if self.mode == "solo":  # every rank puts the plain model back (a sharded one is gathered: all take part)
             running.undistribute()
             self.before_sweep = copy.deepcopy(full_state(self.learn.model, optimizer(self.learn)))
@@ -394,16 +397,16 @@ class LRFinderBypassCallback(Callback):
 
     def _waiting(self) -> bool:
         """True on the ranks that only wait for rank 0's solo sweep."""
-        return self.before_sweep is not None and self.mode == "solo" and dist.get_rank() != 0
+        return self.sweeping and self.mode == "solo" and dist.get_rank() != 0
 
     def before_epoch(self) -> None:
         if self._waiting():  # after fastai's LRFinder.before_fit, so its after_fit finds what it expects
             raise CancelFitException()
 
     def after_fit(self) -> None:
-        if self.before_sweep is None:
+        if not self.sweeping:
             return
-        learn, state, self.before_sweep = self.learn, self.before_sweep, None
+        learn, state, self.before_sweep, self.sweeping = self.learn, self.before_sweep, None, False
         fit = distributed_fit(learn)  # None on the rank that swept alone
         load_full_state(learn.model, optimizer(learn), state, fit.strategy if fit else None)  # as LRFinder on rank 0
         finder = learn.lr_finder

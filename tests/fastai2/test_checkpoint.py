@@ -178,12 +178,21 @@ def test_a_fit_stopped_mid_epoch_resumes_at_the_next_batch_to_the_weights_and_re
     assert [row[:2] for row in resumed.recorder.values] == [row[:2] for row in whole.recorder.values]
 
 
+@pytest.fixture(scope="module")
+def whole_restart_run(tmp_path_factory):
+    """restart_worker.py's fits uninterrupted, each rank's results."""
+    out = tmp_path_factory.mktemp("restarts") / "whole"
+    launch_restartable(Path(__file__).parent / "workers" / "restart_worker.py", out, "whole")
+    return rank_files(out)
+
+
 @pytest.mark.slow
-def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_stopped(tmp_path):
+@pytest.mark.parametrize("mode", ["kill", "kill-shard"])  # sharded: its Checkpoint files are gathered, plain
+def test_elastic_restarts_resume_the_cut_fits_by_themselves_as_if_they_never_stopped(tmp_path, whole_restart_run,
+                                                                                       mode):
     worker = Path(__file__).parent / "workers" / "restart_worker.py"
-    said = launch_restartable(worker, tmp_path / "killed", "kill")
-    launch_restartable(worker, tmp_path / "whole", "whole")
-    for killed, whole in zip(rank_files(tmp_path / "killed"), rank_files(tmp_path / "whole")):
+    said = launch_restartable(worker, tmp_path / "killed", mode)
+    for killed, whole in zip(rank_files(tmp_path / "killed"), whole_restart_run):
         assert (killed["restarts"], whole["restarts"]) == (5, 0)
         assert max_diff(killed["params"], whole["params"]) <= 1e-6
         assert [len(killed["histories"][f]["values"]) for f in (3, 4)] == [1, 3]  # each epoch once
@@ -243,10 +252,11 @@ def test_a_two_node_launch_resumes_from_the_last_whole_checkpoint_when_a_rank_di
 
 
 @pytest.mark.slow
-def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_are_asked(tmp_path, capsys):
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_notebook_fit_whose_worker_died_resumes_on_a_new_group_when_restarts_are_asked(tmp_path, capsys, shard):
     shutdown()  # a new group: its first attempt, its fits numbered from 1 (an earlier test may have left one)
     def fit(name: str, *cbs) -> Learner:
-        learn = digits_learner(digits_dls(bs=16, shuffle=True), tmp_path).to_ddp(nprocs=2, restarts=2)
+        learn = digits_learner(digits_dls(bs=16, shuffle=True), tmp_path).to_ddp(nprocs=2, restarts=2, shard=shard)
         seed_all(0)
         learn.fit_one_cycle(3, 1e-2, cbs=[ddipp.Checkpoint(name, every_steps=6), *cbs])
         return learn

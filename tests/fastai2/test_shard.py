@@ -41,6 +41,8 @@ def test_two_sharded_ranks_train_as_one_process_on_the_global_batch(sharded, one
         assert max_diff(rank["units"], one_process["units"]) <= SHARD_TOL  # a user's own unit
         assert max_diff(rank["best"]["params"], one_process["best"]["params"]) <= SHARD_TOL
         assert close(rank["best"]["history"], one_process["best"]["history"], tol=1e-4)
+        sweep, expected = rank["sweep"], one_process["sweep"]
+        assert sweep["kept"] and close(sweep["losses"], expected["losses"], tol=1e-4) and sweep["lrs"] == expected["lrs"]
 
 
 @pytest.mark.slow

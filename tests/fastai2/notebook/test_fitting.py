@@ -148,8 +148,9 @@ def test_the_global_batch_is_said_again_when_new_loaders_change_the_batch_size(n
 
 
 @pytest.mark.slow
-def test_a_refit_sends_only_what_changed_and_every_change_is_honoured(notebook, tmp_path):
-    learn = wide_digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2)
+@pytest.mark.parametrize("shard", [False, True])  # sharded, the workers hold the whole learner between fits too
+def test_a_refit_sends_only_what_changed_and_every_change_is_honoured(notebook, tmp_path, shard):
+    learn = wide_digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2, shard=shard)
     sent = changes_between_fits(learn, sent=lambda: _groups[CPU2].last_sent["call"])  # bytes written for the workers
     one = changes_between_fits(wide_digits_learner(digits_dls(bs=32), tmp_path / "one"))
     for after, (remote, local) in enumerate(zip(sent["params"], one["params"])):

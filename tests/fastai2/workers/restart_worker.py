@@ -3,7 +3,8 @@ epochs; a 4-epoch one-cycle fit; 1 epoch; a 3-epoch one-cycle fit checkpointed e
 kills itself (SIGKILL) in each of the first 5 attempts (KILLS: before the first checkpoint, in the middle of fit 2, in
 fit 3 after fit 2 ended, in fit 4 2 and 4 batches after a mid-epoch checkpoint in its epochs 0 and 1; before the last,
 rank 0 truncates fit 4's newest file, whose Checkpoint keeps the one before it), and torch elastic restarts the group
-each time. Saves each rank's weights, recorder and restart count in OUT/rank{r}.pt."""
+each time. MODE `kill-shard` / `whole-shard`: the same under to_ddp(shard=True). Saves each rank's weights, recorder and
+restart count in OUT/rank{r}.pt."""
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from ddipp.core.resume import restart_count  # noqa: E402
 from fastai.callback.core import Callback  # noqa: E402
 from fit_story import digits_dls, digits_learner, history, params  # noqa: E402
 
-out, kill = Path(sys.argv[1]), sys.argv[2] == "kill"
+out, kill, shard = Path(sys.argv[1]), sys.argv[2].startswith("kill"), sys.argv[2].endswith("-shard")
 # attempt (elastic's restart count) -> (fit, epoch, batch) it dies after; fit 4 wrote after batch 11 of epoch 0 (its
 # 12th batch) and after batch 9 of epoch 1 (its 30th)
 KILLS = {0: (1, 0, 3), 1: (2, 2, 3), 2: (3, 0, 3), 3: (4, 0, 13), 4: (4, 1, 13)}
@@ -38,7 +39,7 @@ class KillRank1(Callback):
             newest.write_bytes(newest.read_bytes()[:newest.stat().st_size // 2])
 
 
-learn = digits_learner(digits_dls(bs=16, shuffle=True), out / "work").to_ddp()
+learn = digits_learner(digits_dls(bs=16, shuffle=True), out / "work").to_ddp(shard=shard)
 for fit, (run, checkpoint) in enumerate([
         (lambda cbs: learn.fit(2, 1e-2, cbs=cbs), ddipp.Checkpoint()),
         (lambda cbs: learn.fit_one_cycle(4, 1e-2, cbs=cbs), ddipp.Checkpoint()),

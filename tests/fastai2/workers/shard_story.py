@@ -8,7 +8,7 @@ from fastai.learner import Learner
 from fastai.optimizer import SGD
 from torch import nn
 
-from fit_story import RaiseAt, digits_dls, digits_learner, history, params, state, story, tabular_digits_learner
+from fit_story import RaiseAt, digits_dls, digits_learner, history, params, state, story, sweep, tabular_digits_learner
 
 
 class HeldBytes(Callback):
@@ -83,6 +83,8 @@ def shard_story(make, path, bs: int) -> dict:
     learn = make(batchnorm_learner(digits_dls(bs=bs), path / "bn"))
     learn.fit(2, 0.1)
     res["batchnorm"] = dict(buffers=buffers(learn), params=params(learn))
+    # every rank sweeps the sharded model; fastai's LRFinder saves (gathered) and reloads on rank 0
+    res["sweep"] = sweep(make(digits_learner(digits_dls(bs=bs), path / "sweep"), lr_find_mode="distributed"))
     learn = make(digits_learner(digits_dls(bs=bs), path / "units"), shard_units=lambda model: [model[0]])
     learn.fit_one_cycle(1, 1e-2)
     res["units"] = params(learn)
