@@ -52,7 +52,7 @@ def run_fit(data: DataBunch, call: bytes, options: Options, device: torch.device
     return fit_and_keep(lambda: learn.fit(request["epochs"], request["lr"], wd=request["wd"], callbacks=callbacks),
                         lambda: full_state(learn.model, optimizer(learn)),
                         lambda state: results(learn, request["callbacks"], state), send, held,
-                        lambda: kept_tensors(learn.model, optimizer(learn)))
+                        lambda: kept_tensors(learn.model, optimizer(learn)), keeps_trained=not options.shard)
 
 
 def results(learn: Learner, fit_callbacks: list, state: dict) -> List[bytes]:

@@ -66,7 +66,7 @@ def run_fit(dls: DataLoaders, call: bytes, options: Options, device: torch.devic
                       reset_opt=request["reset_opt"], start_epoch=request["start_epoch"])
     return fit_and_keep(fit, lambda: full_state(learn.model, optimizer(learn)),
                         lambda state: results(learn, callbacks, relay[0] if relay else None, state), send, held,
-                        lambda: kept_tensors(learn.model, optimizer(learn)))
+                        lambda: kept_tensors(learn.model, optimizer(learn)), keeps_trained=not options.shard)
 
 
 def _relayed_progress(learn: Learner, send: Callable[[tuple], None], stack: ExitStack) -> Optional[ProgressRelay]:

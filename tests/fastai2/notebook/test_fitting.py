@@ -342,6 +342,24 @@ def test_a_failed_fit_keeps_what_rank0_trained_and_the_workers_fit_on(notebook, 
     assert len(weights) == 3 and all(RefusesOptimizers(io.BytesIO(part)).load()["state"] for part in weights)
 
 
+@pytest.mark.slow
+def test_a_failed_sharded_fit_leaves_the_learner_as_it_was_before_it_and_says_so(notebook, tmp_path, capsys):
+    """A sharded fit's rank 0 holds only its part of what it trained: the learner is as before the fit, as its own
+    workers' are, and the next fit goes on from there as one process does after the same first fit."""
+    learn = digits_learner(digits_dls(bs=16), tmp_path / "nb").to_ddp(nprocs=2, shard=True)
+    learn.fit(1, 1e-2)
+    before = params(learn)
+    with pytest.raises(ValueError, match="fails on purpose"):
+        learn.fit(2, 1e-2, cbs=FailAt(1))
+    assert "ddipp: the fit did not complete; the learner here is as it was before it" in capsys.readouterr().err
+    assert max_diff(params(learn), before) == 0
+    learn.fit(1, 1e-2)
+    local = digits_learner(digits_dls(bs=32), tmp_path / "one")
+    local.fit(1, 1e-2)
+    local.fit(1, 1e-2)
+    assert max_diff(params(learn), params(local)) <= 1e-6
+
+
 class DiesOnRank0(Callback):
     """Rank 0 killed at its third step of epoch 1, after its Checkpoint wrote the state after epoch 1 (the
     last test on the module's group, which dies with it)."""
