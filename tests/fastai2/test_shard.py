@@ -39,6 +39,7 @@ def test_two_sharded_ranks_train_as_one_process_on_the_global_batch(sharded, one
         assert rank["story"]["restored"]  # the plain model and loaders are back
         assert close(rank["story"]["validate"], one_process["story"]["validate"])
         assert max_diff(rank["units"], one_process["units"]) <= SHARD_TOL  # a user's own unit
+        assert max_diff(rank["clipped"], one_process["clipped"]) <= SHARD_TOL  # GradientClip's norm of the whole
         assert max_diff(rank["best"]["params"], one_process["best"]["params"]) <= SHARD_TOL
         assert close(rank["best"]["history"], one_process["best"]["history"], tol=1e-4)
         sweep, expected = rank["sweep"], one_process["sweep"]

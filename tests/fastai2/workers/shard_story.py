@@ -4,6 +4,7 @@ launched on 2 ranks (shard_worker.py) and in the tests' own process (the referen
 import torch
 from fastai.callback.core import Callback
 from fastai.callback.tracker import SaveModelCallback
+from fastai.callback.training import GradientClip
 from fastai.learner import Learner
 from fastai.optimizer import SGD
 from torch import nn
@@ -85,6 +86,9 @@ def shard_story(make, path, bs: int) -> dict:
     res["batchnorm"] = dict(buffers=buffers(learn), params=params(learn))
     # every rank sweeps the sharded model; fastai's LRFinder saves (gathered) and reloads on rank 0
     res["sweep"] = sweep(make(digits_learner(digits_dls(bs=bs), path / "sweep"), lr_find_mode="distributed"))
+    learn = make(digits_learner(digits_dls(bs=bs), path / "clip"))
+    learn.fit(1, 1e-2, cbs=GradientClip(0.1))  # reads the parameters' gradients: a rank's shards, the norm global
+    res["clipped"] = params(learn)
     learn = make(digits_learner(digits_dls(bs=bs), path / "units"), shard_units=lambda model: [model[0]])
     learn.fit_one_cycle(1, 1e-2)
     res["units"] = params(learn)
