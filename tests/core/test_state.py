@@ -65,6 +65,22 @@ def test_load_full_state_into_a_fresh_ddp_model_gives_every_rank_the_state_and_t
         assert state_diff(rank["after_load"], single[1]) <= TOL
 
 
+@pytest.mark.slow
+def test_a_sharded_models_full_state_is_rank0s_alone_on_its_cpu_and_loads_back_from_rank0(core_ranks, single):
+    """Shard gathers one tensor at a time to rank 0's CPU (rank 1 keeps nothing) and loads from rank 0's state alone
+    (sent to the others); the next steps and the state gathered back at the fit's end are one process's."""
+    (r0, r1), _ = core_ranks
+    got = r0["shard_fit"]["state"]
+    assert r0["shard_fit"]["strategy"] == "Shard" and r1["shard_fit"]["state"] is None
+    tensors = [*got["model"].values(), *(t for s in got["opt"]["state"].values() for t in s.values())]
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)  # plain, not DTensors
+    assert list(got["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"] and len(got["opt"]["state"]) == 4
+    assert state_diff(got, single[0]) <= 1e-6
+    assert state_diff(r0["shard_after_load"], single[1]) <= 1e-6 and r1["shard_after_load"] is None
+    for rank in (r0, r1):
+        assert state_diff(rank["shard_whole_after"], single[1]) <= 1e-6
+
+
 def trained_adam() -> tuple[nn.Module, torch.optim.Adam]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))

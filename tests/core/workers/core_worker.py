@@ -1,6 +1,6 @@
 """Launched on 2 CPU ranks by tests/core/test_collectives.py, test_syncbn.py, test_fit.py, test_state.py and
 test_parallel.py (`core_ranks`): ddipp.core's collectives, SyncBatchNorm, a step's loss all-reduce, and a fit's whole
-state read and loaded through its Strategy (DDP, and a stub in its place) in plain torch; rank r saves what it saw in
+state read and loaded through its Strategy (DDP, a stub in its place, and Shard) in plain torch; rank r saves what it saw in
 OUT/rank{r}.pt."""
 import copy
 import sys
@@ -80,11 +80,11 @@ ddist.request_stop(False)
 batches, state_half = state_batches(), slice(rank * STATE_BS // 2, (rank + 1) * STATE_BS // 2)
 
 
-def adapter_fit():
+def adapter_fit(options: Options = Options()):
     """What an adapter's DistributedCallback does with a fit's strategy, in plain torch: built by parallel.strategy,
     the model wrapped for the fit (this rank's half of each batch) and put back after it, its whole state read through
     the strategy; the strategy's class name, the state, and whether a parameter had a hook during the fit and after."""
-    strategy = parallel.strategy(Options())
+    strategy = parallel.strategy(options)
     net = embedding_net()
     opt = adam(net)
     with ExitStack() as undo:
@@ -112,4 +112,14 @@ with ExitStack() as undo:
     res["loaded"] = copy.deepcopy(dict(model=net.state_dict(), opt=opt.state_dict()))
     adam_steps(model, opt, batches[STATE_STEPS:], state_half)
     res["after_load"] = copy.deepcopy(full_state(model, opt, ddp))
+
+res["shard_fit"] = adapter_fit(Options(shard=True))  # rank 0 holds the state, gathered; rank 1 None
+shard, net = parallel.strategy(Options(shard=True)), embedding_net()
+opt = adam(net, lr=1.0)
+with ExitStack() as undo:
+    model = shard.wrap(net, opt, undo)
+    load_full_state(model, opt, copy.deepcopy(res["shard_fit"]["state"]), shard)  # rank 0's alone: sent to rank 1
+    adam_steps(model, opt, batches[STATE_STEPS:], state_half)
+    res["shard_after_load"] = copy.deepcopy(full_state(model, opt, shard))
+res["shard_whole_after"] = copy.deepcopy(dict(model=net.state_dict(), opt=opt.state_dict()))  # gathered back
 torch.save(res, out / f"rank{rank}.pt")
