@@ -6,7 +6,7 @@ VENV2  ?= .venv2
 PY      = $(VENV)/bin/python
 PY2     = $(VENV2)/bin/python
 
-.PHONY: demo test gpu-check benchmark fastai-ddp-suite matrix dist
+.PHONY: demo test gpu-check benchmark memory fastai-ddp-suite matrix dist
 
 # DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
 # script as one plain process, so the two accuracies print one under the other: fastai v1, then fastai v2
@@ -53,6 +53,11 @@ gpu-check: $(VENV)/.installed $(VENV2)/.installed
 benchmark: $(VENV)/.installed $(VENV2)/.installed
 	$(PY2) -m pip install --quiet accelerate
 	$(PY) benchmarks/throughput.py
+
+# each rank's bytes of parameters, gradients and optimizer state, peak RSS and samples/s, to_ddp() and shard=True on 1-3
+# CPU processes, and the widths a per-rank budget trains: benchmarks/README.md's Memory section. Not part of `make test`
+memory: $(VENV2)/.installed
+	$(PY2) benchmarks/memory.py
 
 # fastai 1.0.61's training tests under 2-rank DDP, every Learner .to_ddp()-ed, one `python -m ddipp.launch --nproc 2`
 # per test (tools/fastai_ddp_suite.py): prints a table of the tests, each passed only when both ranks passed it; fails
