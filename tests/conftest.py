@@ -108,6 +108,22 @@ def split_notebook(tmp_path_factory):
                        tmp_path_factory.mktemp("notebook"), [(16, False)])
 
 
+@pytest.fixture(scope="module")
+def shard_launched(tmp_path_factory):
+    """What each of 2 launched ranks saw of this fastai's shard_story.py under to_ddp(shard=True), batch 16 a rank,
+    and its folder."""
+    out = tmp_path_factory.mktemp("sharded")
+    launch_2_ranks(WORKERS / "shard_worker.py", out)
+    return rank_files(out), out
+
+
+@pytest.fixture(scope="module")
+def shard_reference(tmp_path_factory):
+    """This fastai's shard_story.py in one process on the global batch of 2 ranks (32)."""
+    from shard_story import shard_story
+    return shard_story(lambda learn, **options: learn, tmp_path_factory.mktemp("one"), 32)
+
+
 def launch_2_ranks(script: Path, out: Path, args: tuple = ()) -> None:
     """Run `script OUT *args` under ddipp's launcher on 2 CPU processes (a collective may wait 120 s); fail with its
     output."""

@@ -67,3 +67,13 @@ class RunsCode:
 
     def __reduce__(self):
         return (open, (str(self.marker), "w"))
+
+
+def held_bytes(tensors) -> int:
+    """The bytes of `tensors` (not scalars) this process holds: a sharded tensor's own part (DTensor.to_local())."""
+    total = 0
+    for t in tensors:
+        if hasattr(t, "dim") and t.dim() > 0:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
+    return total

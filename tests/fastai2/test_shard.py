@@ -9,47 +9,34 @@ from fastai.learner import load_learner
 
 import ddipp  # noqa: F401 (adds Learner.to_ddp)
 from compare import close, max_diff
-from conftest import launch_2_ranks, rank_files, WORKERS
 from fit_story import digits_dls, digits_learner, state
-from shard_story import shard_story, wide_learner
+from shard_story import wide_learner
 
 SHARD_TOL = 1e-6  # a sharded fit's parameters from one process's on the global batch (issue 43)
 PHASES = ["fit", "frozen", "unfrozen", "fine_tune"]
 HISTORIES = ["fit", "fit_frozen", "fit_unfrozen", "fine_tune"]
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded")
-    launch_2_ranks(WORKERS / "shard_worker.py", out)
-    return rank_files(out), out
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return shard_story(lambda learn, **options: learn, tmp_path_factory.mktemp("one"), 32)
-
-
 @pytest.mark.slow
-def test_two_sharded_ranks_train_as_one_process_on_the_global_batch(sharded, one_process):
-    for rank in sharded[0]:
+def test_two_sharded_ranks_train_as_one_process_on_the_global_batch(shard_launched, shard_reference):
+    for rank in shard_launched[0]:
         for phase, name in zip(PHASES, HISTORIES):
-            assert max_diff(rank["story"]["params_" + phase], one_process["story"]["params_" + phase]) <= SHARD_TOL
-            assert close(rank["story"][name], one_process["story"][name], tol=1e-4)
+            assert max_diff(rank["story"]["params_" + phase], shard_reference["story"]["params_" + phase]) <= SHARD_TOL
+            assert close(rank["story"][name], shard_reference["story"][name], tol=1e-4)
         assert rank["story"]["restored"]  # the plain model and loaders are back
-        assert close(rank["story"]["validate"], one_process["story"]["validate"])
-        assert max_diff(rank["units"], one_process["units"]) <= SHARD_TOL  # a user's own unit
-        assert max_diff(rank["clipped"], one_process["clipped"]) <= SHARD_TOL  # GradientClip's norm of the whole
-        assert max_diff(rank["best"]["params"], one_process["best"]["params"]) <= SHARD_TOL
-        assert close(rank["best"]["history"], one_process["best"]["history"], tol=1e-4)
-        sweep, expected = rank["sweep"], one_process["sweep"]
+        assert close(rank["story"]["validate"], shard_reference["story"]["validate"])
+        assert max_diff(rank["units"], shard_reference["units"]) <= SHARD_TOL  # a user's own unit
+        assert max_diff(rank["clipped"], shard_reference["clipped"]) <= SHARD_TOL  # GradientClip's norm of the whole
+        assert max_diff(rank["best"]["params"], shard_reference["best"]["params"]) <= SHARD_TOL
+        assert close(rank["best"]["history"], shard_reference["best"]["history"], tol=1e-4)
+        sweep, expected = rank["sweep"], shard_reference["sweep"]
         assert sweep["kept"] and close(sweep["losses"], expected["losses"], tol=1e-4) and sweep["lrs"] == expected["lrs"]
 
 
 @pytest.mark.slow
-def test_a_rank_holds_half_the_parameters_gradients_and_optimizer_state_during_the_fit(sharded, one_process):
-    whole = one_process["held"]
-    for rank in sharded[0]:
+def test_a_rank_holds_half_the_parameters_gradients_and_optimizer_state_during_the_fit(shard_launched, shard_reference):
+    whole = shard_reference["held"]
+    for rank in shard_launched[0]:
         held = rank["held"]
         for kind in ("params", "grads", "opt"):
             assert held[kind] <= whole[kind] * (1 / 2 + 0.05), (kind, held[kind], whole[kind])
@@ -57,8 +44,8 @@ def test_a_rank_holds_half_the_parameters_gradients_and_optimizer_state_during_t
 
 
 @pytest.mark.slow
-def test_save_export_and_save_model_write_plain_files_one_process_loads(sharded, tmp_path):
-    ranks, out = sharded
+def test_save_export_and_save_model_write_plain_files_one_process_loads(shard_launched, tmp_path):
+    ranks, out = shard_launched
     work = out / "work"
     learn = wide_learner(digits_dls(bs=32), tmp_path)
     learn.load(work / "wide" / "models" / "saved")  # fastai's own load in a plain process
@@ -72,8 +59,8 @@ def test_save_export_and_save_model_write_plain_files_one_process_loads(sharded,
 
 
 @pytest.mark.slow
-def test_a_failed_sharded_fit_leaves_the_learner_as_it_began_and_the_next_fit_trains(sharded):
-    for rank in sharded[0]:
+def test_a_failed_sharded_fit_leaves_the_learner_as_it_began_and_the_next_fit_trains(shard_launched):
+    for rank in shard_launched[0]:
         failed = rank["failed"]
         assert failed["raised"].endswith("failing on purpose")
         assert max_diff(failed["after"], failed["began"]) == 0
@@ -81,8 +68,8 @@ def test_a_failed_sharded_fit_leaves_the_learner_as_it_began_and_the_next_fit_tr
 
 
 @pytest.mark.slow
-def test_batchnorm_statistics_are_rank0s_on_every_rank_at_the_end_of_a_fit(sharded):
-    ranks = sharded[0]
+def test_batchnorm_statistics_are_rank0s_on_every_rank_at_the_end_of_a_fit(shard_launched):
+    ranks = shard_launched[0]
     assert max_diff(ranks[0]["batchnorm"]["buffers"], ranks[1]["batchnorm"]["buffers"]) == 0
     assert max_diff(ranks[0]["batchnorm"]["params"], ranks[1]["batchnorm"]["params"]) == 0
 

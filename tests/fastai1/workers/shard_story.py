@@ -5,6 +5,7 @@ import torch
 from fastai.basic_train import LearnerCallback
 from fastai.callbacks import SaveModelCallback
 
+from stories import held_bytes
 from scenario import RaiseAt, digits_data, digits_learner, history, params, story, sweep, tabular_digits_learner
 
 
@@ -17,18 +18,9 @@ class HeldBytes(LearnerCallback):
 
     def on_step_end(self, **kwargs):
         model, opt = self.learn.model, self.learn.opt.opt
-        held = dict(params=_bytes(model.parameters()), grads=_bytes(p.grad for p in model.parameters()),
-                    opt=_bytes(v for state in opt.state.values() for v in state.values()))
+        held = dict(params=held_bytes(model.parameters()), grads=held_bytes(p.grad for p in model.parameters()),
+                    opt=held_bytes(v for state in opt.state.values() for v in state.values()))
         self.most = {k: max(v, held[k]) for k, v in self.most.items()}
-
-
-def _bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            total += local.numel() * local.element_size()
-    return total
 
 
 def shard_story(make, path, bs: int) -> dict:
@@ -38,7 +30,7 @@ def shard_story(make, path, bs: int) -> dict:
     learn = make(digits_learner(digits_data(path / "held", bs=bs)))
     learn.callback_fns.append(HeldBytes)
     learn.fit(1, 1e-3)
-    res["held"] = dict(learn.held_bytes.most, params_after=_bytes(learn.model.parameters()))
+    res["held"] = dict(learn.held_bytes.most, params_after=held_bytes(learn.model.parameters()))
     learn = make(digits_learner(digits_data(path / "best", bs=bs)))
     learn.fit(3, 1e-2, callbacks=[SaveModelCallback(learn, name="best")])  # saves inside the fit, loads at its end
     res["best"] = dict(params=params(learn), history=history(learn))

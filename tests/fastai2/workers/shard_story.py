@@ -9,6 +9,7 @@ from fastai.learner import Learner
 from fastai.optimizer import SGD
 from torch import nn
 
+from stories import held_bytes
 from fit_story import RaiseAt, digits_dls, digits_learner, history, params, state, story, sweep, tabular_digits_learner
 
 
@@ -22,18 +23,9 @@ class HeldBytes(Callback):
 
     def after_step(self):
         model, opt = self.learn.model, self.learn.opt
-        held = dict(params=_bytes(model.parameters()), grads=_bytes(p.grad for p in model.parameters()),
-                    opt=_bytes(v for p, *_ in opt.all_params() for v in opt.state[p].values()))
+        held = dict(params=held_bytes(model.parameters()), grads=held_bytes(p.grad for p in model.parameters()),
+                    opt=held_bytes(v for p, *_ in opt.all_params() for v in opt.state[p].values()))
         self.most = {k: max(v, held[k]) for k, v in self.most.items()}
-
-
-def _bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            total += local.numel() * local.element_size()
-    return total
 
 
 def wide_learner(dls, path) -> Learner:
@@ -60,7 +52,7 @@ def shard_story(make, path, bs: int) -> dict:
     res = {"story": story(make(digits_learner(digits_dls(bs=bs), path / "story")))}
     learn, held = make(wide_learner(digits_dls(bs=bs), path / "wide")), HeldBytes()
     learn.fit(1, 1e-3, cbs=held)
-    res["held"] = dict(held.most, params_after=_bytes(learn.model.parameters()), model=type(learn.model).__name__)
+    res["held"] = dict(held.most, params_after=held_bytes(learn.model.parameters()), model=type(learn.model).__name__)
     learn.save("saved")
     res["saved"] = params(learn)
     (path / "tabular").mkdir(parents=True, exist_ok=True)
