@@ -1,6 +1,7 @@
 """How a distributed fit holds the model: a `Strategy` wraps it (and owns the optimizer's parameters), reads its whole
 state and loads it back, on every rank. `strategy(options)` chooses one: DDP (every rank a whole copy, gradients
-averaged), or Shard (ddipp.core.shard: each rank 1/N of it) with `shard=True`. The adapters' DistributedCallbacks build it once and ask it; they never name DDP."""
+averaged), or Shard (ddipp.core.shard: each rank 1/N of it) with `shard=True`. The adapters' DistributedCallbacks
+build it once and ask it; they never name DDP or Shard."""
 from contextlib import ExitStack
 from typing import Any, Optional, Protocol
 

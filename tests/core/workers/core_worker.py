@@ -1,7 +1,7 @@
 """Launched on 2 CPU ranks by tests/core/test_collectives.py, test_syncbn.py, test_fit.py, test_state.py and
 test_parallel.py (`core_ranks`): ddipp.core's collectives, SyncBatchNorm, a step's loss all-reduce, and a fit's whole
-state read and loaded through its Strategy (DDP, a stub in its place, and Shard) in plain torch; rank r saves what it saw in
-OUT/rank{r}.pt."""
+state read and loaded through its Strategy (DDP, a stub in its place, and Shard) in plain torch; rank r saves what it
+saw in OUT/rank{r}.pt."""
 import copy
 import sys
 from contextlib import ExitStack

@@ -14,6 +14,7 @@ class HandAveraged:
     """The model itself, rank 0's parameters and buffers copied to every rank, each gradient all-reduced and averaged
     by a hook as backward accumulates it (hooks removed by `undo`); its whole state a local read, as DDP's. Unlike
     DDP it leaves BatchNorm's running statistics each rank's own, and fails on a parameter some rank leaves out."""
+    shards = False  # every rank holds the whole model
 
     def __init__(self, options: Options):
         self.options = options

@@ -1,7 +1,6 @@
 """to_ddp(shard=True) on fastai v1 beyond the split story: the story on the global batch, what a sharded fit holds on
 a rank, what it leaves (SaveModelCallback's file written inside the fit, an export, a failed fit's start), a
 distributed lr_find; played launched on 2 ranks (shard_worker.py) and in the tests' own process (the reference)."""
-import torch
 from fastai.basic_train import LearnerCallback
 from fastai.callbacks import SaveModelCallback
 
