@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 if TYPE_CHECKING:
+    from .fit import DistributedFit
     from .parallel import Strategy
 
 
@@ -63,14 +64,20 @@ def plain_model(learn: Any):
 
 
 @contextmanager
-def savable(learn: Any, optimizer: Any, strategy: Optional["Strategy"], opt_form=lambda state: state):
-    """The learner as fastai's save reads it (`learn.model`, `learn.opt`) for the block, then back: its plain model,
-    or, while `strategy` shards it, stand-ins holding its whole state (every rank calls; rank 0 holds it), the
-    optimizer's in the form fastai writes (`opt_form`)."""
+def savable(learn: Any, optimizer: Any, fit: Optional["DistributedFit"], file: Any, to_file: bool,
+            opt_form=lambda state: state):
+    """The learner as fastai's save of `file` (`to_file`: a path, not a buffer) reads it (`learn.model`, `learn.opt`)
+    for the block, then back: its plain model, or, while the distributed `fit` shards it, stand-ins holding its whole
+    state (every rank calls; rank 0 holds it), the optimizer's in the form fastai writes (`opt_form`); a buffer is then
+    refused (rank 0 alone would hold what it gets)."""
+    strategy = fit.strategy if fit else None
     if strategy is None or not strategy.shards:
         with plain_model(learn):
             yield
         return
+    if not to_file:
+        raise ValueError(f"learn.save({file!r}) during a fit with to_ddp(shard=True): rank 0 alone holds the whole "
+                         "state; save to a file name (rank 0 writes it)")
     state = full_state(learn.model, optimizer, strategy) or dict(model=None, opt=None)
     model, opt = learn.model, learn.opt
     learn.model = _Read(state["model"])

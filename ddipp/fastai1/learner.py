@@ -84,12 +84,7 @@ def _save(self, file=None, return_path: bool = False, with_opt: bool = True):
     # the old model nor the new); rank 0 alone writes it. A buffer is this process's own: it gets the bytes anywhere.
     # A compiled model's file holds the plain model's keys (without torch.compile's `_orig_mod.`); a sharded fit's
     # whole state is gathered (every rank calls save).
-    fit = distributed_fit(self)
-    strategy = fit.strategy if fit else None
-    if strategy is not None and strategy.shards and not is_pathlike(file):
-        raise ValueError(f"learn.save({file!r}) during a fit with to_ddp(shard=True): rank 0 alone holds the whole "
-                         "state; save to a file name (rank 0 writes it)")
-    with savable(self, optimizer(self), strategy):
+    with savable(self, optimizer(self), distributed_fit(self), file, is_pathlike(file)):
         if not is_pathlike(file):
             with writing_as_rank_0():
                 return type(self).save(self, file, return_path, with_opt)

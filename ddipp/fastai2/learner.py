@@ -104,12 +104,8 @@ class AtomicSave:
 
     def __call__(self, file, **kwargs):
         learn = self.learn()
-        fit = distributed_fit(learn)
-        strategy = fit.strategy if fit else None
-        if strategy is not None and strategy.shards and not isinstance(file, (str, Path)):
-            raise ValueError(f"learn.save({file!r}) during a fit with to_ddp(shard=True): rank 0 alone holds the whole "
-                             "state; save to a file name (rank 0 writes it)")
-        with savable(learn, optimizer(learn), strategy, lambda state: dict(state, hypers=L(state["hypers"]))):
+        with savable(learn, optimizer(learn), distributed_fit(learn), file, isinstance(file, (str, Path)),
+                     lambda state: dict(state, hypers=L(state["hypers"]))):
             if not isinstance(file, (str, Path)):  # a buffer is this process's own: it gets the bytes on every rank
                 with writing_as_rank_0():
                     return type(learn).save(learn, file, **kwargs)

@@ -27,6 +27,9 @@ def test_two_sharded_ranks_train_as_one_process_on_the_global_batch(shard_launch
         assert close(rank["story"]["validate"], shard_reference["story"]["validate"])
         assert max_diff(rank["units"], shard_reference["units"]) <= SHARD_TOL  # a user's own unit
         assert max_diff(rank["clipped"], shard_reference["clipped"]) <= SHARD_TOL  # GradientClip's norm of the whole
+        assert rank["buffer_refused"].endswith("during a fit with to_ddp(shard=True): rank 0 alone holds the whole "
+                                               "state; save to a file name (rank 0 writes it)")
+        assert shard_reference["buffer_refused"] is None  # one process saves to a buffer
         assert max_diff(rank["best"]["params"], shard_reference["best"]["params"]) <= SHARD_TOL
         assert close(rank["best"]["history"], shard_reference["best"]["history"], tol=1e-4)
         sweep, expected = rank["sweep"], shard_reference["sweep"]

@@ -1,6 +1,8 @@
 """to_ddp(shard=True) on fastai v2 beyond the split story: what a sharded fit holds on a rank, what it leaves (plain
 save, export and SaveModelCallback files, a failed fit's start, BatchNorm statistics), a user's own units; played
 launched on 2 ranks (shard_worker.py) and in the tests' own process (the reference)."""
+import io
+
 import torch
 from fastai.callback.core import Callback
 from fastai.callback.tracker import SaveModelCallback
@@ -26,6 +28,17 @@ class HeldBytes(Callback):
         held = dict(params=held_bytes(model.parameters()), grads=held_bytes(p.grad for p in model.parameters()),
                     opt=held_bytes(v for p, *_ in opt.all_params() for v in opt.state[p].values()))
         self.most = {k: max(v, held[k]) for k, v in self.most.items()}
+
+
+class SavesToBuffer(Callback):
+    """learn.save to a buffer after the fit's epoch: the error it raises, or None."""
+    refused = None
+
+    def after_epoch(self):
+        try:
+            self.learn.save(io.BytesIO())
+        except ValueError as e:
+            self.refused = str(e)
 
 
 def wide_learner(dls, path) -> Learner:
@@ -79,8 +92,9 @@ def shard_story(make, path, bs: int) -> dict:
     # every rank sweeps the sharded model; fastai's LRFinder saves (gathered) and reloads on rank 0
     res["sweep"] = sweep(make(digits_learner(digits_dls(bs=bs), path / "sweep"), lr_find_mode="distributed"))
     learn = make(digits_learner(digits_dls(bs=bs), path / "clip"))
-    learn.fit(1, 1e-2, cbs=GradientClip(0.1))  # reads the parameters' gradients: a rank's shards, the norm global
-    res["clipped"] = params(learn)
+    to_buffer = SavesToBuffer()
+    learn.fit(1, 1e-2, cbs=[GradientClip(0.1), to_buffer])  # GradientClip reads the gradients: a rank's shards
+    res["clipped"], res["buffer_refused"] = params(learn), to_buffer.refused
     learn = make(digits_learner(digits_dls(bs=bs), path / "units"), shard_units=lambda model: [model[0]])
     learn.fit_one_cycle(1, 1e-2)
     res["units"] = params(learn)
