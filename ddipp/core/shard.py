@@ -88,7 +88,7 @@ class Shard:
         to_sharded = {params[name]: sharded[name] for name in params}
         _shard_gradients(to_sharded)
         _repoint(optimizer, to_sharded)
-        shard_optimizer_state(optimizer)
+        _shard_optimizer_state(optimizer)
         began.set_aside()
         sharded_model.register_forward_pre_hook(_broadcast_buffers)
         sharded_model.register_load_state_dict_pre_hook(_whole_to_shards)
@@ -108,7 +108,7 @@ class Shard:
 
     def full_state(self, model: nn.Module, optimizer: Any) -> Optional[dict]:
         """Gathered one tensor at a time, each kept on rank 0's CPU (the other ranks hold one tensor at most)."""
-        shard_optimizer_state(optimizer)
+        _shard_optimizer_state(optimizer)
         rank0 = dist.get_rank() == 0
         model_state = {key: _whole(value, rank0) for key, value in model.state_dict().items()}
         opt = None if optimizer is None else _walk(optimizer.state_dict(), lambda value: _whole(value, rank0))
@@ -122,7 +122,7 @@ class Shard:
         model.load_state_dict(state["model"])
         if optimizer is not None and state.get("opt") is not None:
             optimizer.load_state_dict(state["opt"])
-            shard_optimizer_state(optimizer)
+            _shard_optimizer_state(optimizer)
 
 
 def _unit_names(model: nn.Module, units: Optional[Callable]) -> List[str]:
@@ -173,7 +173,7 @@ def _params(optimizer: Any) -> List[nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def shard_optimizer_state(optimizer: Any) -> None:
+def _shard_optimizer_state(optimizer: Any) -> None:
     """Each whole state tensor of a sharded parameter (a load, or fastai's LRFinder reloading on rank 0, puts whole
     ones there) becomes this rank's shard of it, cut locally."""
     from torch.distributed.tensor import DTensor
@@ -217,7 +217,7 @@ def _gathered(sharded_model: nn.Module, params: Dict[str, nn.Parameter], sharded
     0's); nothing is changed, so a failure leaves the fit's start to put back."""
     from torch.distributed.tensor import DTensor
     _broadcast_buffers(sharded_model, ())
-    shard_optimizer_state(optimizer)
+    _shard_optimizer_state(optimizer)
     params_out = {name: sharded[name].detach().full_tensor() for name in params}
     grads = {name: None if sharded[name].grad is None else sharded[name].grad.full_tensor() for name in params}
     state = {} if optimizer is None else {
@@ -276,7 +276,8 @@ def _walk(value: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(value, dict):
         return {k: _walk(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_walk(v, fn) for v in value) if type(value) is tuple else [_walk(v, fn) for v in value]
+        walked = [_walk(v, fn) for v in value]
+        return tuple(walked) if isinstance(value, tuple) else walked
     return value
 
 
@@ -297,18 +298,14 @@ class _Spec:
 
 def _everyone(flag: bool) -> bool:
     """Whether `flag` holds on every rank."""
-    agreed = torch.tensor([int(flag)], device=_comm_device())
+    agreed = torch.tensor([int(flag)], device=ddist.device())  # where the backend's collectives work
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return bool(agreed.item())
 
 
-def _comm_device() -> torch.device:
-    return ddist.device() if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _from_rank0(state: Optional[dict]) -> dict:
     """Rank 0's `state` on every rank: its layout (shapes, dtypes, other values) sent first, then each tensor."""
-    rank0, device = dist.get_rank() == 0, _comm_device()
+    rank0, device = dist.get_rank() == 0, ddist.device()
     layout = [_walk(state, lambda t: _Spec(tuple(t.shape), t.dtype)) if rank0 else None]
     dist.broadcast_object_list(layout, src=0)
 
