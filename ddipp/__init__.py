@@ -21,11 +21,11 @@ if sys.argv[:1] != ["-m"]:
 
     if FASTAI_MAJOR == 1:
         from .fastai1 import (Checkpoint, DistributedCallback, GCCallback, GlobalBatchLoss, LRFinderBypassCallback,
-                              SumMetric, Throughput, from_ddp, to_ddp)
+                              Recompute, SumMetric, Throughput, from_ddp, to_ddp)
     else:
         from .fastai2 import (Checkpoint, DistributedCallback, GCCallback, GlobalBatchLoss, LRFinderBypassCallback,
-                              SumMetric, Throughput, from_ddp, to_ddp)
+                              Recompute, SumMetric, Throughput, from_ddp, to_ddp)
 
 __all__ = ["__version__", "rank", "world_size", "is_rank0", "device", "barrier", "to_ddp", "from_ddp", "shutdown",
            "DistributedCallback", "LRFinderBypassCallback", "GCCallback",
-           "all_gather", "reduce_sum", "GlobalBatchLoss", "SumMetric", "Checkpoint", "Throughput"]
+           "all_gather", "reduce_sum", "GlobalBatchLoss", "SumMetric", "Checkpoint", "Throughput", "Recompute"]

@@ -11,10 +11,12 @@ from .checkpoint import Checkpoint  # noqa: E402
 from .learner import from_ddp, to_ddp  # noqa: E402 (also adds Learner.to_ddp / Learner.from_ddp)
 from .losses import GlobalBatchLoss  # noqa: E402
 from .metrics import SumMetric  # noqa: E402
+from .recompute import Recompute  # noqa: E402
 from .throughput import Throughput  # noqa: E402
 
 if ddist.launched():
     defaults.device = ddist.bind_device()  # data and models built next land on this rank's device
 
-__all__ = ["Checkpoint", "DistributedCallback", "GCCallback", "GlobalBatchLoss", "LRFinderBypassCallback", "SumMetric",
+__all__ = ["Checkpoint", "DistributedCallback", "GCCallback", "GlobalBatchLoss", "LRFinderBypassCallback", "Recompute",
+           "SumMetric",
            "Throughput", "from_ddp", "to_ddp"]

@@ -5,10 +5,12 @@ from .checkpoint import Checkpoint
 from .learner import from_ddp, to_ddp  # also adds Learner.to_ddp / Learner.from_ddp
 from .losses import GlobalBatchLoss
 from .metrics import SumMetric
+from .recompute import Recompute
 from .throughput import Throughput
 
 if ddist.launched():
     ddist.bind_device()  # fastai's default_device() is torch's current CUDA device: this rank's
 
-__all__ = ["Checkpoint", "DistributedCallback", "GCCallback", "GlobalBatchLoss", "LRFinderBypassCallback", "SumMetric",
+__all__ = ["Checkpoint", "DistributedCallback", "GCCallback", "GlobalBatchLoss", "LRFinderBypassCallback", "Recompute",
+           "SumMetric",
            "Throughput", "from_ddp", "to_ddp"]
