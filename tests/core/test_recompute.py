@@ -18,8 +18,9 @@ def convnet() -> nn.Module:
                          nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, 10)))
 
 
-def train(model: nn.Module, steps: int = 5, saved: list = None) -> nn.Module:
-    """`steps` of SGD on fixed batches; the bytes autograd saved for backward in each step go to `saved`."""
+def train(model: nn.Module, steps: int = 5, saved: list = None, autocast: bool = False) -> nn.Module:
+    """`steps` of SGD on fixed batches (forward and loss in bfloat16 with `autocast`); the bytes autograd saved for
+    backward in each step go to `saved`."""
     torch.manual_seed(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(2)
@@ -30,7 +31,8 @@ def train(model: nn.Module, steps: int = 5, saved: list = None) -> nn.Module:
         def pack(t):
             count[0] += t.numel() * t.element_size()
             return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
@@ -59,6 +61,16 @@ def test_recomputed_blocks_train_bitwise_as_plain_ones_with_batchnorm_and_dropou
     assert recomputed_saved[0] < plain_saved[0] / 2, (recomputed_saved, plain_saved)
     undo()
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_under_mixed_precision_too():
+    """The recomputation runs under the autocast its forward ran under (here CPU bfloat16): the same numbers."""
+    plain = state(train(convnet(), autocast=True))
+    model = convnet()
+    recomputing(model, recompute_names(model, None))
+    recomputed = state(train(model, autocast=True))
+    assert all(torch.equal(recomputed[k], plain[k]) for k in plain)
+    assert not torch.equal(plain["1.3.weight"], state(train(convnet()))["1.3.weight"])  # bfloat16 ran
 
 
 def test_plain_checkpointing_updates_batchnorm_twice():
