@@ -20,7 +20,7 @@ def convnet_learner(dls, path) -> Learner:
     model = nn.Sequential(nn.Sequential(nn.Unflatten(1, (1, 8, 8)), block(1, 8), block(8, 8)),
                           nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)))
     return Learner(dls, model, loss_func=nn.CrossEntropyLoss(), splitter=lambda m: [params(m[0]), params(m[1])],
-                   path=path)
+                   path=path, train_bn=False)  # frozen, the body's BatchNorms are too: BnFreeze keeps them in eval
 
 
 PHASES = ("fit", "frozen", "unfrozen")

@@ -1,0 +1,60 @@
+"""ddipp.Recompute on fastai v1: bitwise the same fit without it (parameters, BatchNorm buffers, dropout draws) in one
+process, on 2 launched ranks under DDP, sync_bn and shard=True, and in notebook mode; undone after every fit, also one
+that raised; a module outside the model refused before any step."""
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+import ddipp
+from conftest import ROOT, launch_2_ranks, rank_files
+from recompute_story import PHASES, convnet_learner, recompute_story
+from scenario import RaiseAt, digits_data
+
+
+def assert_bitwise(story: dict) -> None:
+    """The story's states with Recompute equal those without it, every tensor bit for bit; no forward left patched."""
+    for phase in PHASES:
+        plain, recomputed = story[False][phase], story[True][phase]
+        assert len(plain) == len(recomputed)
+        for i, (a, b) in enumerate(zip(plain, recomputed)):
+            assert torch.equal(a, b), (phase, i, (a.float() - b.float()).abs().max().item())
+    assert story[True]["patched"] == [] and story[False]["patched"] == []
+
+
+def test_one_process(tmp_path):
+    story = recompute_story(lambda learn: learn, tmp_path, 32)
+    assert_bitwise(story)
+    assert not torch.equal(story[True]["fit"][0], story[True]["unfrozen"][0])  # it trained
+
+
+@pytest.mark.slow
+def test_two_launched_ranks_under_ddp_sync_bn_and_shard(tmp_path):
+    launch_2_ranks(ROOT / "tests" / "fastai1" / "workers" / "recompute_worker.py", tmp_path)
+    for rank in rank_files(tmp_path):
+        for options in ("ddp", "sync_bn", "shard"):
+            assert_bitwise(rank[options])
+
+
+@pytest.mark.slow
+def test_a_notebook_learner_with_the_blocks_it_names(tmp_path):
+    story = recompute_story(lambda learn: learn.to_ddp(nprocs=2), tmp_path, 16, modules=lambda learn: [learn.model[0][2]])
+    assert_bitwise(story)
+
+
+def test_a_fit_that_raises_leaves_the_models_own_forwards(tmp_path):
+    learn = convnet_learner(digits_data(tmp_path, 32))
+    learn.callback_fns += [ddipp.Recompute, RaiseAt]
+    with pytest.raises(RuntimeError):
+        learn.fit(1)
+    assert [m for m in learn.model.modules() if "forward" in vars(m)] == []
+
+
+def test_a_module_outside_the_model_is_refused_before_any_step(tmp_path):
+    learn = convnet_learner(digits_data(tmp_path, 32))
+    before = [p.clone() for p in learn.model.parameters()]
+    learn.callback_fns.append(partial(ddipp.Recompute, modules=[nn.Linear(2, 2)]))
+    with pytest.raises(ValueError, match=r"Recompute\(modules=\.\.\.\) was given a Linear that is not a submodule"):
+        learn.fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))

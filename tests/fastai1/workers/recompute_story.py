@@ -1,0 +1,57 @@
+"""Recompute on fastai v1: a convnet with BatchNorm and dropout in its blocks trained through fit_one_cycle, a frozen
+phase with its BatchNorms frozen (BnFreeze) and an unfrozen phase with AccumulateScheduler, with and without
+Recompute; played in one process, launched (DDP, sync_bn, shard) and in notebook mode."""
+from functools import partial
+
+import torch
+from fastai.basic_train import Learner
+from fastai.train import AccumulateScheduler, BnFreeze
+from torch import nn
+
+import ddipp
+from scenario import digits_data
+
+PHASES = ("fit", "frozen", "unfrozen")
+
+
+def convnet_learner(data) -> Learner:
+    """Two conv blocks (BatchNorm, dropout) over the digits as 1x8x8 images, a linear head; two layer groups."""
+    torch.manual_seed(0)
+    block = lambda c_in, c_out: nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(),
+                                              nn.Dropout(0.1))
+    model = nn.Sequential(nn.Sequential(nn.Unflatten(1, (1, 8, 8)), block(1, 8), block(8, 8)),
+                          nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)))
+    learn = Learner(data, model, loss_func=nn.CrossEntropyLoss(), train_bn=False)  # frozen, BatchNorms are too
+    return learn.split([model[1]])
+
+
+def state(learn) -> list:
+    """Every parameter and buffer (BatchNorm's running statistics and batch counts), as they are."""
+    return [t.detach().clone() for t in learn.model.state_dict().values()]
+
+
+def phases(learn) -> dict:
+    res = {}
+    learn.fit_one_cycle(1, 1e-2)
+    res["fit"] = state(learn)
+    learn.freeze()
+    learn.fit(1, 1e-2, callbacks=[BnFreeze(learn)])
+    res["frozen"] = state(learn)
+    learn.unfreeze()
+    learn.loss_func = nn.CrossEntropyLoss(reduction="sum")  # AccumulateScheduler's
+    learn.fit(1, 1e-4, callbacks=[AccumulateScheduler(learn, n_step=2)])
+    res["unfrozen"] = state(learn)
+    res["patched"] = [name for name, m in learn.model.named_modules() if "forward" in vars(m)]  # after the fits: none
+    return res
+
+
+def recompute_story(make, path, bs: int, modules=None) -> dict:
+    """{False: the phases' states without Recompute, True: with it (`modules(learn)`'s blocks if given)} of learners
+    `make(learn)` returns, batch `bs`."""
+    res = {}
+    for recompute in (False, True):
+        learn = make(convnet_learner(digits_data(path, bs)))
+        if recompute:
+            learn.callback_fns.append(partial(ddipp.Recompute, modules=None if modules is None else modules(learn)))
+        res[recompute] = phases(learn)
+    return res
