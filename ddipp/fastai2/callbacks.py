@@ -140,6 +140,8 @@ class DistributedCallback(Callback):
         self.summed_loss = getattr(learn.loss_func, "reduction", "mean") == "sum"
         if rank != 0:
             self._quiet()
+        else:
+            _say_float32(learn)
         model = learn.model
         self.undo.callback(setattr, learn, "model", model)
         learn.model = self.strategy.wrap(model, optimizer(learn), self.undo)
@@ -332,6 +334,15 @@ class _FitGuard:
                 del self.learn.fit
             else:
                 self.learn.fit = self.replaced
+
+
+def _say_float32(learn) -> None:
+    """fastai's MixedPrecision builds CUDA's autocast and scaler, which torch disables on CPU (with a warning): a fit on
+    a CPU rank trains in float32, and one ddipp line says so."""
+    mixed = imported("fastai.callback.fp16", "MixedPrecision")
+    if ddist.device().type == "cpu" and any(isinstance(cb, mixed) for cb in learn.cbs):
+        print("ddipp: fastai's MixedPrecision (to_bf16/to_fp16) is CUDA-only: this fit on CPU trains in float32",
+              flush=True)
 
 
 def _set_train(dls, loader) -> None:

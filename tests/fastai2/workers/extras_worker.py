@@ -1,6 +1,6 @@
-"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,wrapped_model}.py: plays extras.py's
-stories (and wrapped_model.py's) with batch 16 a rank under ddipp and saves what each rank saw in OUT/rank{r}.pt (stdout
-in OUT/stdout{r}.txt)."""
+"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,wrapped_model,cpu_bf16}.py: plays
+extras.py's stories (and wrapped_model.py's) with batch 16 a rank under ddipp and saves what each rank saw in
+OUT/rank{r}.pt (stdout in OUT/stdout{r}.txt)."""
 import contextlib
 import os
 import sys
@@ -32,5 +32,8 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     learn = digits_learner(digits_dls(bs=16, shuffle=True)).to_ddp()
     learn.fit(2, 1e-2)
     res["no_throughput"] = params(learn)
+    learn = digits_learner(digits_dls(bs=16, shuffle=True)).to_bf16().to_ddp()  # on CPU: no_throughput's fit
+    learn.fit(2, 1e-2)
+    res["bf16"] = params(learn)
     res["compiled"] = compiled_story(out / "compiled", bs=16)
 torch.save(res, out / f"rank{rank}.pt")
