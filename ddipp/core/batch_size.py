@@ -1,0 +1,110 @@
+"""The largest batch size a training step takes on every rank (bs_find): doubling from a start, then bisecting; each
+trial runs on this rank alone and its verdict is agreed across ranks (the minimum) before the next trial."""
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import dist as ddist
+from .memory import release_memory
+
+CUDA_OOM = "CUDA out of memory"
+CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
+FAILED, OUT_OF_MEMORY, PASSED = 0, 1, 2  # a trial's outcome; the group's is the least of its ranks'
+
+Trial = Tuple[int, bool, float]  # size, passed on every rank, seconds
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is running out of memory: torch's OutOfMemoryError, or a RuntimeError with CUDA's or the CPU
+    allocator's text."""
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and (CUDA_OOM in text or CPU_OOM in text))
+
+
+def check_sizes(start: int, max_bs: Optional[int], items: int) -> None:
+    """Refuse a start below 1, a max_bs below start or above the training set's `items`, a training set below start."""
+    if start < 1:
+        raise ValueError(f"bs_find: start={start}; a batch holds 1 item or more, e.g. start=2")
+    if items < start:
+        raise ValueError(f"bs_find: the training set holds {items} items, fewer than start={start}; "
+                         f"give start={items} or less")
+    if max_bs is not None and max_bs < start:
+        raise ValueError(f"bs_find: max_bs={max_bs} is below start={start}; give max_bs={start} or more "
+                         f"(at most the training set's {items} items), or max_bs=None for {items}")
+    if max_bs is not None and max_bs > items:
+        raise ValueError(f"bs_find: max_bs={max_bs} is above the training set's {items} items, the largest batch it "
+                         f"has; give max_bs={items} or less, or max_bs=None for {items}")
+
+
+def find_batch_size(trial: Callable[[int], None], start: int, max_bs: int) -> Tuple[int, List[Trial]]:
+    """The largest size in [start, max_bs] whose `trial(size)` passes on every rank (doubling, then bisecting), and
+    the trials; `trial` raises on out of memory and holds no collective."""
+    trials: List[Trial] = []
+
+    def passes(size: int) -> bool:
+        began = time.perf_counter()
+        passed = _agree(_outcome(trial, size), size) == PASSED
+        trials.append((size, passed, time.perf_counter() - began))
+        return passed
+
+    size, good, bad = start, None, None
+    while True:
+        if not passes(size):
+            bad = size
+            break
+        good = size
+        if size == max_bs:
+            break
+        size = min(2 * size, max_bs)
+    if good is None:
+        raise torch.OutOfMemoryError(
+            f"bs_find: a training step at batch size {start} (start) ran out of memory on at least one rank; give a "
+            f"smaller start, or hold less per rank: split_batches=True (a rank takes 1/N of a global batch), "
+            f"shard=True (a rank holds 1/N of the model's state) or ddipp.Recompute() (activations recomputed in "
+            f"backward)")
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        if passes(middle):
+            good = middle
+        else:
+            bad = middle
+    return good, trials
+
+
+def trials_table(trials: List[Trial], found: int) -> str:
+    """The trials as a text table (size, fits or out of memory, seconds) and the verdict line."""
+    rows = [f"{'batch size':>10}  {'verdict':<13}  {'seconds':>7}"]
+    rows += [f"{size:>10}  {'fits' if passed else 'out of memory':<13}  {seconds:>7.2f}"
+             for size, passed, seconds in trials]
+    ranks = ddist.world_size() if dist.is_available() and dist.is_initialized() else 1
+    where = f"on every rank ({ranks})" if ranks > 1 else "in this process"
+    return "\n".join(rows + [f"bs_find: the largest batch size that fits {where}: {found}"])
+
+
+def _outcome(trial: Callable[[int], None], size: int) -> int:
+    """PASSED, OUT_OF_MEMORY, or FAILED (another error, kept to raise once the group has heard of it)."""
+    try:
+        trial(size)
+        return PASSED
+    except Exception as error:
+        if not out_of_memory(error):
+            _agree(FAILED, size)
+            raise
+    release_memory()  # the error's frames are gone: what the failed step held can be freed
+    return OUT_OF_MEMORY
+
+
+def _agree(outcome: int, size: int) -> int:
+    """The least outcome over the ranks of the default group (this rank's alone outside a group of 2 or more)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return outcome
+    least = torch.tensor([outcome], device=ddist.device())  # where the backend's collectives work
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    if int(least.item()) == FAILED and outcome != FAILED:
+        raise RuntimeError(f"bs_find: another rank's training step at batch size {size} failed with an error other "
+                           f"than out of memory; that rank's output names it")
+    return int(least.item())
+
