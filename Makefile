@@ -6,7 +6,7 @@ VENV2  ?= .venv2
 PY      = $(VENV)/bin/python
 PY2     = $(VENV2)/bin/python
 
-.PHONY: demo test gpu-check benchmark memory fastai-ddp-suite matrix dist
+.PHONY: demo test gpu-check benchmark memory recompute fastai-ddp-suite matrix dist
 
 # DDP on 2 CPU processes (gloo) on a machine without GPUs, else one process per GPU; then the same
 # script as one plain process, so the two accuracies print one under the other: fastai v1, then fastai v2
@@ -58,6 +58,12 @@ benchmark: $(VENV)/.installed $(VENV2)/.installed
 # CPU processes, and the widths a per-rank budget trains: benchmarks/README.md's Memory section. Not part of `make test`
 memory: $(VENV2)/.installed
 	$(PY2) benchmarks/memory.py
+
+# the bytes a convnet's training step saves for backward and its seconds, with and without ddipp.Recompute, at 3 batch
+# sizes in one process and on 2 launched CPU ranks, and Recompute's exactness: benchmarks/README.md's Recompute section
+# (about 3 minutes). Not part of `make test`
+recompute: $(VENV2)/.installed
+	$(PY2) benchmarks/recompute.py
 
 # fastai 1.0.61's training tests under 2-rank DDP, every Learner .to_ddp()-ed, one `python -m ddipp.launch --nproc 2`
 # per test (tools/fastai_ddp_suite.py): prints a table of the tests, each passed only when both ranks passed it; fails

@@ -377,17 +377,17 @@ def seconds(runs: dict, tried: list) -> float:
     return sum(r["took_s"] for got in runs.values() for r in got) + sum(t["got"]["took_s"] for t in tried)
 
 
-def write_readme(text: str) -> None:
-    """Put `text` in benchmarks/README.md in place of its SECTION (up to the next `## ` heading), or before BEFORE the
-    first time; the rest of the file (throughput.py's sections, the GPU notes) is kept as it is."""
+def write_readme(text: str, section: str = SECTION, before: str = BEFORE) -> None:
+    """Put `text` in benchmarks/README.md in place of its `section` (up to the next `## ` heading), or before `before`
+    the first time; the rest of the file (throughput.py's sections, the GPU notes) is kept as it is."""
     readme = ROOT / "benchmarks" / "README.md"
     said = readme.read_text()
-    if SECTION in said:
-        start = said.index(SECTION)
-        end = said.find("\n## ", start + len(SECTION))
+    if section in said:
+        start = said.index(section)
+        end = said.find("\n## ", start + len(section))
         said = said[:start] + text.rstrip("\n") + "\n" + ("\n" + said[end + 1:] if end >= 0 else "")
-    elif BEFORE in said:
-        start = said.index(BEFORE)
+    elif before in said:
+        start = said.index(before)
         said = said[:start] + text + "\n" + said[start:]
     else:
         said = said.rstrip("\n") + "\n\n" + text
