@@ -37,6 +37,8 @@ SHARD_HELD = 0.55  # of DDP's bytes of parameters, gradients and optimizer state
 SHARD_PEAK = 0.75  # of DDP's training peak (max_memory_allocated) a rank reaches with shard=True on 2 ranks: DDP
 # holds 5 model sizes (parameters, gradients, Adam's 2 states, its buckets), shard=True 2 and a unit or two gathered
 # whole for its forward and backward: about 0.5 expected
+RECOMPUTE_TOL = 1e-6  # parameters and BatchNorm buffers of a fit with Recompute against the same fit without it:
+# the same deterministic cuDNN kernels run again in backward, 0 expected
 BF16_TOL = 0.05  # |bf16 run's update - fp32's| / |fp32's|: bf16 rounds each weight and activation to 8 significant
 # bits (0.2 %), with float32 sums in the matmuls and an fp32 reduction, so a step's gradient is within about 1 % of
 # fp32's and SGD's update is linear in it; a reduction that summed instead of averaged, or none, is off by 100 %
@@ -284,6 +286,21 @@ def fsdp_bf16(setup: Setup) -> str:
     return words
 
 
+def recompute_memory(setup: Setup) -> str:
+    """fastai v2's fit of a convnet on cuda:0 with ddipp.Recompute of its blocks peaks lower (max_memory_allocated)
+    than without it, and ends with its parameters and BatchNorm buffers within RECOMPUTE_TOL."""
+    [got] = worker(setup, "recompute", 2, "recompute")
+    plain, recomputed = got["plain"], got["Recompute"]
+    apart = {k: float((v.double() - recomputed["state"][k].double()).abs().max()) for k, v in plain["state"].items()}
+    params = max(v for k, v in apart.items() if k in plain["params"])
+    buffers = max(v for k, v in apart.items() if k not in plain["params"])
+    words = (f"training peak (max_memory_allocated) {mib(plain['peak'])} plain, {mib(recomputed['peak'])} with "
+             f"Recompute ({recomputed['peak'] / plain['peak']:.2f}; need < 1); max |diff| parameters {params:.1e}, "
+             f"BatchNorm buffers {buffers:.1e} (tol {RECOMPUTE_TOL:.0e}); 3-block convnet, 3x64x64, batch 128")
+    expect(recomputed["peak"] < plain["peak"] and max(params, buffers) <= RECOMPUTE_TOL, words)
+    return words
+
+
 def checks(setup: Setup) -> list[tuple[str, Callable[[], list[Verdict]]]]:
     """(name, run) of every check in order; run returns its verdicts or raises CheckFailed."""
     def single(name, check):
@@ -293,7 +310,7 @@ def checks(setup: Setup) -> list[tuple[str, Callable[[], list[Verdict]]]]:
         single("gc-release-v2", partial(gc_release, fastai=2)), single("nccl-overhead-ws1", overhead),
         single("gloo-two-ranks-one-gpu", gloo_pair), single("shard-one-rank-nccl-v2", shard_one_rank),
         single("shard-gloo-two-ranks-one-gpu-v2", shard_gloo_pair), single("shard-memory-v2", shard_memory),
-        single("fsdp2-bf16-fp32-reduce", fsdp_bf16)]
+        single("fsdp2-bf16-fp32-reduce", fsdp_bf16), single("recompute-memory-v2", recompute_memory)]
 
 
 def one_gpu() -> None:

@@ -2,7 +2,7 @@
 saves what it saw to OUT/rank{r}.pt.
 
     python tools/gpu_check/fastai2_worker.py MODE OUT   # MODE: gc, shard, shard-gloo, memory-ddp, memory-shard,
-                                                        # fsdp-bf16 (plain torch FSDP2, no fastai)
+                                                        # fsdp-bf16 (plain torch FSDP2, no fastai), recompute
 """
 import contextlib
 import io
@@ -26,7 +26,7 @@ from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
 from fastai.optimizer import SGD  # noqa: E402
 from gpu_pair import join_gloo_on_cuda0  # noqa: E402
-from models import digits_images, digits_mlp, random_images, wide_cnn, wide_mlp  # noqa: E402
+from models import digits_images, digits_mlp, random_images, small_cnn, wide_cnn, wide_mlp  # noqa: E402
 
 N_VALID_DIGITS = 359  # the first digits validate, the rest train: 1438, 44 steps of 32 an epoch
 
@@ -152,8 +152,26 @@ def fsdp_bf16(out: Path) -> dict:
     return dict(runs=runs, world_size=world_size, device=str(device), backend=dist.get_backend())
 
 
+def recompute(out: Path) -> dict:
+    """small_cnn on 3x64x64 images, batch 128, fastai's SGD with momentum, plain and with ddipp.Recompute of its
+    three conv-BatchNorm blocks, cuDNN deterministic: each fit's training peak and its parameters and buffers after."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    x, y = random_images(640, 64)
+    fits = {}
+    for name in ("plain", "Recompute"):
+        dls = DataLoaders(DataLoader(TensorDataset(x[128:], y[128:]), bs=128, drop_last=True),
+                          DataLoader(TensorDataset(x[:128], y[:128]), bs=128), device=ddist.device())
+        model, peak = small_cnn(), TrainingPeak()
+        cbs = [peak] + ([ddipp.Recompute(modules=list(model)[:3])] if name == "Recompute" else [])
+        learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=partial(SGD, mom=0.9), cbs=cbs, path=out)
+        learn.fit(1, 0.1)
+        fits[name] = dict(peak=peak.peak, state={k: v.detach().cpu() for k, v in learn.model.state_dict().items()},
+                          params=[k for k, _ in learn.model.named_parameters()])
+    return fits
+
+
 MODES = {"gc": gc, "shard": shard, "shard-gloo": shard_gloo, "memory-ddp": partial(memory, shard=False),
-         "memory-shard": partial(memory, shard=True), "fsdp-bf16": fsdp_bf16}
+         "memory-shard": partial(memory, shard=True), "fsdp-bf16": fsdp_bf16, "recompute": recompute}
 
 if __name__ == "__main__":
     seen = MODES[sys.argv[1]](Path(sys.argv[2]))
