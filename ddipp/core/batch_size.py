@@ -79,9 +79,7 @@ def trials_table(trials: List[Trial], found: int) -> str:
     rows = [f"{'batch size':>10}  {'verdict':<13}  {'seconds':>7}"]
     rows += [f"{size:>10}  {'fits' if passed else 'out of memory':<13}  {seconds:>7.2f}"
              for size, passed, seconds in trials]
-    ranks = ddist.world_size() if dist.is_available() and dist.is_initialized() else 1
-    where = f"on every rank ({ranks})" if ranks > 1 else "in this process"
-    return "\n".join(rows + [f"bs_find: the largest batch size that fits {where}: {found}"])
+    return "\n".join(rows + [f"bs_find: the largest batch size that fits: {found}"])
 
 
 def _outcome(trial: Callable[[int], None], size: int) -> int:

@@ -1,5 +1,6 @@
 """The fastai v2 (2.8.x) adapter: the callbacks and Learner.to_ddp / from_ddp in fastai v2's idioms (launched mode)."""
 from ..core import dist as ddist
+from . import batch_size  # noqa: F401 (adds Learner.bs_find)
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 from .checkpoint import Checkpoint
 from .learner import from_ddp, to_ddp  # also adds Learner.to_ddp / Learner.from_ddp

@@ -76,7 +76,7 @@ def test_the_table_shows_each_trial_and_the_verdict():
     assert lines[0].split() == ["batch", "size", "verdict", "seconds"]
     assert [line.split() for line in lines[1:4]] == [["2", "fits", "0.01"], ["4", "out", "of", "memory", "1.50"],
                                                      ["3", "fits", "0.25"]]
-    assert lines[4] == "bs_find: the largest batch size that fits in this process: 3"
+    assert lines[4] == "bs_find: the largest batch size that fits: 3"
 
 
 @pytest.fixture(scope="module")
