@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ddipp
-from bs_find_story import CEILINGS, changed, learner, snapshot, story
+from bs_find_story import CEILINGS, changed, learner, on_torch_loaders, snapshot, story
 from conftest import ROOT, launch_2_ranks, rank_files
 from ddipp.core.sharding import part_sizes
 from fit_story import N_TRAIN
@@ -19,7 +19,7 @@ def largest(fits, items: int, start: int = 2) -> int:
 
 def assert_as_before(res: dict, found: int) -> None:
     assert res["found"] == found
-    assert res["changed"] == []
+    assert res["changed"] == [] and res["patched"] == []
     assert len(res["after"]) == len(res["without"]) == 9  # 2 linear layers (4), BatchNorm (2 parameters, 3 buffers)
     for i, (a, b) in enumerate(zip(res["after"], res["without"])):
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
@@ -30,6 +30,13 @@ def test_one_process_finds_the_ceiling_and_leaves_the_learner_as_it_was(tmp_path
     shown = capsys.readouterr().out
     assert "        40  fits" in shown and "        41  out of memory" in shown
     assert "bs_find: the largest batch size that fits: 40" in shown and "global batch" not in shown
+
+
+def test_recomputed_blocks_on_pytorch_loaders(tmp_path):
+    """Recompute's blocks recompute in the trials (its order, -7, is before the finder's) and are put back after."""
+    res = story(lambda learn: on_torch_loaders(learn).add_cb(ddipp.Recompute()), tmp_path)
+    assert_as_before(res, 40)
+    assert res["patched"] == []
 
 
 def test_a_learner_without_an_optimizer_keeps_none(tmp_path):

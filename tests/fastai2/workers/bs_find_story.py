@@ -5,8 +5,10 @@ import copy
 
 import torch
 from fastai.callback.progress import CSVLogger
+from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from torch import nn
+from torch.utils.data import DataLoader as TorchDataLoader
 
 import ddipp
 from ddipp.core.rng import rng_state, seed_all
@@ -37,6 +39,14 @@ def learner(path, ceilings=CEILINGS, bs=16) -> Learner:
                                         nn.Dropout(0.2)), nn.Identity(), nn.Linear(32, 10))
     return Learner(digits_dls(bs, shuffle=True), model, loss_func=nn.CrossEntropyLoss(), splitter=two_groups,
                    path=path, cbs=CSVLogger())
+
+
+def on_torch_loaders(learn: Learner) -> Learner:
+    """The learner on PyTorch DataLoaders of the same items (shuffled by torch's generator)."""
+    train, valid = learn.dls.train.dataset, learn.dls.valid.dataset
+    learn.dls = DataLoaders(TorchDataLoader(train, batch_size=16, shuffle=True, drop_last=True),
+                            TorchDataLoader(valid, batch_size=64), device="cpu")
+    return learn
 
 
 def snapshot(learn: Learner) -> dict:
@@ -82,6 +92,7 @@ def story(make, path, fresh: bool = False, **bs_find) -> dict:
             before = snapshot(learn)
             res["found"] = learn.bs_find(**bs_find)
             res["changed"] = changed(before, snapshot(learn))
+            res["patched"] = [name for name, m in learn.model.named_modules() if "forward" in vars(m)]  # Recompute's
         learn.fit(1, 1e-2)
         fitted[find] = [t.detach().clone() for t in learn.model.state_dict().values()]
         learn.from_ddp()
