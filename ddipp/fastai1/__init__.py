@@ -6,6 +6,7 @@ compat.apply()
 from fastai.torch_core import defaults  # noqa: E402 (after compat.apply: fastai imports quietly)
 
 from ..core import dist as ddist  # noqa: E402
+from . import batch_size  # noqa: E402,F401 (adds Learner.bs_find)
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback  # noqa: E402
 from .checkpoint import Checkpoint  # noqa: E402
 from .learner import from_ddp, to_ddp  # noqa: E402 (also adds Learner.to_ddp / Learner.from_ddp)
