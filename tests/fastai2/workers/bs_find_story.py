@@ -31,13 +31,14 @@ class Ceiling(nn.Module):
         return x
 
 
-def learner(path, ceilings=CEILINGS, bs=16) -> Learner:
+def learner(path, ceilings=CEILINGS) -> Learner:
     """An MLP with BatchNorm (running statistics) and dropout (draws) behind the ceiling; fastai's Adam (its state),
-    a CSVLogger (it fails in a fit cancelled before its before_fit). Every generator seeded: the loader's draws its own."""
+    a CSVLogger (it fails in a fit cancelled before its before_fit). Every generator seeded: the loader draws from
+    python's."""
     seed_all(0)
     model = nn.Sequential(nn.Sequential(Ceiling(ceilings), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(),
                                         nn.Dropout(0.2)), nn.Identity(), nn.Linear(32, 10))
-    return Learner(digits_dls(bs, shuffle=True), model, loss_func=nn.CrossEntropyLoss(), splitter=two_groups,
+    return Learner(digits_dls(16, shuffle=True), model, loss_func=nn.CrossEntropyLoss(), splitter=two_groups,
                    path=path, cbs=CSVLogger())
 
 
