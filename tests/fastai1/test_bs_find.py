@@ -11,6 +11,7 @@ import torch
 from fastai.basic_train import LearnerCallback
 from fastai.callbacks import CSVLogger
 
+import ddipp
 from bs_find_story import CEILINGS, bs_find_story, ceiling_learner, held, learner_facts, same_facts, tensors
 from compare import assert_same_tensors
 from conftest import ROOT, launch_2_ranks, rank_files
@@ -95,6 +96,19 @@ def test_a_start_that_does_not_fit_is_named_and_leaves_the_learner(tmp_path):
         learn.bs_find(start=400)
     assert same_facts(facts, learner_facts(learn))
     assert_same_tensors(before, tensors(learn))
+
+
+def test_trials_run_under_recompute_and_a_refused_start_leaves_no_block_recomputing(tmp_path):
+    learn = ceiling_learner(tmp_path)
+    learn.callback_fns.append(ddipp.Recompute)  # _order -30: its blocks recompute before bs_find's trials
+    recomputing = []
+    learn.model.register_forward_pre_hook(
+        lambda model, args: recomputing.append(any("forward" in vars(m) for m in model.modules())))
+    assert learn.bs_find(max_bs=8) == 8
+    assert recomputing and all(recomputing)
+    with pytest.raises(torch.OutOfMemoryError):
+        learn.bs_find(start=400)  # raised after the fit: Recompute's on_train_end ran
+    assert [m for m in learn.model.modules() if "forward" in vars(m)] == []
 
 
 @pytest.fixture(scope="module")
