@@ -56,6 +56,8 @@ def bs_find(self: Learner, start: Optional[int] = None, max_bs: Optional[int] = 
                 now.clear()
                 now.update(then)
         set_rng_state(generators)
+    if finder.error is not None:
+        raise finder.error
     if ddist.is_rank0():
         print(_report(finder, options, processes), flush=True)
     return finder.found
@@ -64,7 +66,7 @@ def bs_find(self: Learner, start: Optional[int] = None, max_bs: Optional[int] = 
 class BatchSizeFinder(Callback):
     """bs_find's fit: in before_fit, the trials (STEPS training steps of the plain model on real batches of the
     training set at each size, each rank alone, verdicts agreed across ranks), then everything put back and the fit
-    cancelled. Holds the size found and the trials (they come back to a notebook's callback)."""
+    cancelled. Holds the size found and the trials, or their error (they come back to a notebook's callback)."""
     order = -6  # after TrainEvalCallback (-10) put the model on its device and Recompute (-7) made its blocks
     # recompute; before DistributedCallback (-5) wraps it: the trials run on the plain model, no collective inside
 
@@ -72,6 +74,7 @@ class BatchSizeFinder(Callback):
         self.start, self.max_bs, self.fresh_opt = start, max_bs, fresh_opt
         self.found: Optional[int] = None
         self.trials: List[Tuple[int, bool, float]] = []
+        self.error: Optional[Exception] = None  # what the trials raised (out of memory at the start, ...)
 
     def before_fit(self) -> None:
         learn = self.learn
@@ -90,6 +93,8 @@ class BatchSizeFinder(Callback):
             learn.model.train()
             self.found, self.trials = find_batch_size(lambda size: _trial(learn, items(size)), self.start,
                                                       self.max_bs)
+        except Exception as error:  # raised by bs_find after the fit, whose callbacks then end it as usual
+            self.error = error
         finally:
             load_full_state(learn.model, opt, state)
             for p, grad in zip(learn.model.parameters(), grads):

@@ -61,12 +61,13 @@ def test_bad_sizes_are_refused_before_any_work(tmp_path, sizes, message):
 
 
 def test_out_of_memory_at_the_start_names_the_size_and_the_learner_trains_after(tmp_path):
-    learn = learner(tmp_path, ceilings=(20, 20))  # its batch is 16
+    learn = learner(tmp_path, ceilings=(20, 20)).add_cb(ddipp.Recompute())  # its batch is 16
     learn.fit(1, 1e-2)
     before = snapshot(learn)
     with pytest.raises(torch.OutOfMemoryError, match="batch size 32 .*split_batches=True.*shard=True.*Recompute"):
         learn.bs_find(start=32)
     assert changed(before, snapshot(learn)) == []
+    assert [name for name, m in learn.model.named_modules() if "forward" in vars(m)] == []  # the fit's end ran
     learn.fit(1, 1e-2)
 
 
@@ -111,3 +112,8 @@ def test_a_notebook_learner_finds_what_its_workers_agree_on(tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "bs_find: the largest batch size that fits: 23" in shown
     assert "bs_find: bs=23 per process: global batch 46 = 23 x 2 processes" in shown
+    learn = learner(tmp_path, ceilings=(40, 20)).to_ddp(nprocs=2)  # the workers' error comes back; the group fits on
+    with pytest.raises(torch.OutOfMemoryError, match="batch size 32 \\(start\\)"):
+        learn.bs_find(start=32)
+    learn.fit(1, 1e-2)
+    learn.from_ddp()
