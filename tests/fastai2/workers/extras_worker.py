@@ -1,6 +1,6 @@
-"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,wrapped_model,cpu_bf16}.py: plays
-extras.py's stories (and wrapped_model.py's) with batch 16 a rank under ddipp and saves what each rank saw in
-OUT/rank{r}.pt (stdout in OUT/stdout{r}.txt)."""
+"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,wrapped_model,cpu_bf16,memory_page}.py:
+plays extras.py's stories (and wrapped_model.py's, docs/memory.md's script) with batch 16 a rank under ddipp and saves
+what each rank saw in OUT/rank{r}.pt (stdout in OUT/stdout{r}.txt)."""
 import contextlib
 import os
 import sys
@@ -11,6 +11,7 @@ import torch
 torch.set_num_threads(1)
 
 import ddipp  # noqa: E402
+from memory_page import run_page  # noqa: E402
 from wrapped_model import compiled_story  # noqa: E402
 from extras import (digits_dls, digits_learner, moments_fit, pairs_dls, pairs_fit, pairs_learner,  # noqa: E402
                     params, resume_story, throughput_fit)
@@ -36,4 +37,5 @@ with open(out / f"stdout{rank}.txt", "w") as log, contextlib.redirect_stdout(log
     learn.fit(2, 1e-2)
     res["bf16"] = params(learn)
     res["compiled"] = compiled_story(out / "compiled", bs=16)
+    res["memory_page"] = run_page()
 torch.save(res, out / f"rank{rank}.pt")
