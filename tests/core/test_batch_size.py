@@ -17,7 +17,7 @@ def search(ceiling: int, start: int = 2, max_bs: int = 1000):
     return found, [size for size, _, _ in trials], trials
 
 
-@pytest.mark.parametrize("ceiling", [2, 3, 5, 64, 168, 400, 511, 999])
+@pytest.mark.parametrize("ceiling", [2, 5, 168, 999])  # each failed trial collects garbage: 0.1-0.3 s
 def test_the_largest_size_under_the_ceiling_is_found_by_doubling_then_bisecting(ceiling):
     found, sizes, trials = search(ceiling)
     assert found == ceiling
