@@ -1,6 +1,6 @@
 """`make gpu-check` (tools/gpu_check.py) on a host without CUDA, as CI's: every check prints a SKIP line and the
 command succeeds; the checks waiting for a GPU day (the forked notebook test, issue 43's sharded checks, issue 44's
-Recompute peak) are listed."""
+Recompute peak and bs_find under a memory fraction) are listed."""
 import importlib.util
 
 import torch
@@ -12,7 +12,7 @@ gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
 WAITING = ["pytest-v1 tests/fastai1/test_cuda.py",  # the whole file: its forked notebook test among them
            "shard-one-rank-nccl-v2", "shard-gloo-two-ranks-one-gpu-v2", "shard-memory-v2", "fsdp2-bf16-fp32-reduce",
-           "recompute-memory-v2"]
+           "recompute-memory-v2", "bs-find-memory-fraction-v2"]
 
 
 def test_without_cuda_every_check_says_skip_and_the_command_succeeds(capsys, monkeypatch, tmp_path):

@@ -301,6 +301,18 @@ def recompute_memory(setup: Setup) -> str:
     return words
 
 
+def bs_find_limit(setup: Setup) -> str:
+    """fastai v2's learn.bs_find() on cuda:0 under set_per_process_memory_fraction finds a batch size whose training
+    steps run there and whose double runs out of memory (torch.OutOfMemoryError)."""
+    [got] = worker(setup, "bs-find", 2, "bs-find")
+    found = got["found"]
+    words = (f"under a {mib(got['limit'])} memory fraction of cuda:0 bs_find found {found} (of {got['items']} items): "
+             f"2 training steps at {found} {'ran' if got['at_found'] else 'ran out of memory'}, at {2 * found} "
+             f"{'ran' if got['at_double'] else 'ran out of memory'}; small_cnn on 3x64x64 images, fastai's Adam")
+    expect(got["at_found"] and not got["at_double"], words)
+    return words
+
+
 def checks(setup: Setup) -> list[tuple[str, Callable[[], list[Verdict]]]]:
     """(name, run) of every check in order; run returns its verdicts or raises CheckFailed."""
     def single(name, check):
@@ -310,7 +322,8 @@ def checks(setup: Setup) -> list[tuple[str, Callable[[], list[Verdict]]]]:
         single("gc-release-v2", partial(gc_release, fastai=2)), single("nccl-overhead-ws1", overhead),
         single("gloo-two-ranks-one-gpu", gloo_pair), single("shard-one-rank-nccl-v2", shard_one_rank),
         single("shard-gloo-two-ranks-one-gpu-v2", shard_gloo_pair), single("shard-memory-v2", shard_memory),
-        single("fsdp2-bf16-fp32-reduce", fsdp_bf16), single("recompute-memory-v2", recompute_memory)]
+        single("fsdp2-bf16-fp32-reduce", fsdp_bf16), single("recompute-memory-v2", recompute_memory),
+        single("bs-find-memory-fraction-v2", bs_find_limit)]
 
 
 def one_gpu() -> None:

@@ -2,7 +2,7 @@
 saves what it saw to OUT/rank{r}.pt.
 
     python tools/gpu_check/fastai2_worker.py MODE OUT   # MODE: gc, shard, shard-gloo, memory-ddp, memory-shard,
-                                                        # fsdp-bf16 (plain torch FSDP2, no fastai), recompute
+                                                        # fsdp-bf16 (plain torch FSDP2, no fastai), recompute, bs-find
 """
 import contextlib
 import io
@@ -170,8 +170,44 @@ def recompute(out: Path) -> dict:
     return fits
 
 
+BS_LIMIT = 2**30  # the bytes of cuda:0 the bs-find mode's process may allocate (set_per_process_memory_fraction)
+TRIAL_STEPS = 2  # training steps at a size, as bs_find's trials take
+
+
+def bs_find_limit(out: Path) -> dict:
+    """learn.bs_find() of small_cnn on 3x64x64 images (fastai's Adam) under a BS_LIMIT memory fraction of cuda:0;
+    then whether TRIAL_STEPS training steps run at the size found, and at twice it."""
+    device = ddist.device()
+    torch.cuda.set_per_process_memory_fraction(BS_LIMIT / torch.cuda.get_device_properties(0).total_memory, 0)
+    x, y = random_images(2048, 64)
+    dls = DataLoaders(DataLoader(TensorDataset(x[256:], y[256:]), bs=32, drop_last=True),
+                      DataLoader(TensorDataset(x[:256], y[:256]), bs=64), device=device)
+    learn = Learner(dls, small_cnn(), loss_func=nn.CrossEntropyLoss(), path=out)
+    found = learn.bs_find()
+    learn.create_opt()
+
+    def steps(size: int) -> bool:
+        """True if TRIAL_STEPS steps on the training set's first `size` items ran, False if out of memory."""
+        learn.model.train()
+        try:
+            xb, yb = x[256:256 + size].to(device), y[256:256 + size].to(device)
+            for _ in range(TRIAL_STEPS):
+                learn.loss_func(learn.model(xb), yb).backward()
+                learn.opt.step()
+                learn.opt.zero_grad()
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            learn.opt.zero_grad()
+            xb = yb = None
+            torch.cuda.empty_cache()
+    return dict(found=found, items=len(x) - 256, limit=BS_LIMIT, at_found=steps(found), at_double=steps(2 * found))
+
+
 MODES = {"gc": gc, "shard": shard, "shard-gloo": shard_gloo, "memory-ddp": partial(memory, shard=False),
-         "memory-shard": partial(memory, shard=True), "fsdp-bf16": fsdp_bf16, "recompute": recompute}
+         "memory-shard": partial(memory, shard=True), "fsdp-bf16": fsdp_bf16, "recompute": recompute,
+         "bs-find": bs_find_limit}
 
 if __name__ == "__main__":
     seen = MODES[sys.argv[1]](Path(sys.argv[2]))
