@@ -90,7 +90,10 @@ class BatchSizeFinder(LearnerCallback):
         xb, yb = (xb if isinstance(xb, (list, tuple)) else [xb]), (yb if isinstance(yb, (list, tuple)) else [yb])
         learn.model.train()
         for _ in range(STEPS):
-            loss = learn.loss_func(learn.model(*xb), *yb)
+            out = learn.model(*xb)
+            if isinstance(out, tuple):  # fastai's RNNs: (output, raw outputs, outputs); RNNTrainer keeps the first
+                out = out[0]
+            loss = learn.loss_func(out, *yb)
             loss.backward()
             learn.opt.step()
             learn.opt.zero_grad()

@@ -9,7 +9,8 @@ from typing import Optional
 import pytest
 import torch
 from fastai.basic_train import LearnerCallback
-from fastai.callbacks import CSVLogger
+from fastai.callbacks import CSVLogger, RNNTrainer
+from torch import nn
 
 import ddipp
 from bs_find_story import CEILINGS, bs_find_story, ceiling_learner, held, learner_facts, same_facts, tensors
@@ -109,6 +110,28 @@ def test_trials_run_under_recompute_and_a_refused_start_leaves_no_block_recomput
     with pytest.raises(torch.OutOfMemoryError):
         learn.bs_find(start=400)  # raised after the fit: Recompute's on_train_end ran
     assert [m for m in learn.model.modules() if "forward" in vars(m)] == []
+
+
+class RNNLike(nn.Module):
+    """`model`'s output as fastai's RNNs give theirs, (output, raw outputs, outputs), with their reset()."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out = self.model(x)
+        return out, [out], [out]
+
+    def reset(self):
+        pass
+
+
+def test_a_recurrent_models_output(tmp_path):
+    learn = ceiling_learner(tmp_path)
+    learn.model = RNNLike(learn.model)
+    learn.callbacks.append(RNNTrainer(learn))  # as RNNLearner: its on_loss_begin gives the loss the first output
+    assert learn.bs_find(max_bs=64) == 64
 
 
 @pytest.fixture(scope="module")
