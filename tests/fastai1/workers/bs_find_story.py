@@ -80,6 +80,6 @@ def bs_find_story(make, path) -> dict:
     learn.fit(1, 1e-2)
     res["plain_fit"] = tensors(learn)
     learn = make(ceiling_learner(path / "fresh"))
-    learn.bs_find()
+    learn.bs_find(max_bs=8)  # no trial out of memory: each takes a garbage collection
     res["fresh_has_opt"] = hasattr(learn, "opt") or hasattr(learn, "recorder")
     return res
