@@ -8,12 +8,14 @@ import torch.distributed as dist
 
 from . import dist as ddist
 from .memory import release_memory
+from .sharding import part_sizes
 
 CUDA_OOM = "CUDA out of memory"
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
 FAILED, OUT_OF_MEMORY, PASSED = 0, 1, 2  # a trial's outcome; the group's is the least of its ranks'
 
 Trial = Tuple[int, bool, float]  # size, passed on every rank, seconds
+STEPS = 2  # a trial's training steps: the second holds the optimizer's state beside the batch's activations
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -37,6 +39,15 @@ def check_sizes(start: int, max_bs: Optional[int], items: int) -> None:
     if max_bs is not None and max_bs > items:
         raise ValueError(f"bs_find: max_bs={max_bs} is above the training set's {items} items, the largest batch it "
                          f"has; give max_bs={items} or less, or max_bs=None for {items}")
+
+
+def check_start(start: int, processes: int, batchnorm: bool) -> None:
+    """Refuse a start that gives one of `processes` one item a step when the model has BatchNorm (it cannot train
+    on one)."""
+    fewest = min(part_sizes(start, processes))
+    if batchnorm and fewest < 2:
+        raise ValueError(f"bs_find: start={start} gives a process {fewest} item{'s' * (fewest != 1)} a step, and the "
+                         f"model's BatchNorm cannot train on fewer than 2: give start={2 * processes} or more")
 
 
 def find_batch_size(trial: Callable[[int], None], start: int, max_bs: int) -> Tuple[int, List[Trial]]:
@@ -80,6 +91,21 @@ def trials_table(trials: List[Trial], found: int) -> str:
     rows += [f"{size:>10}  {'fits' if passed else 'out of memory':<13}  {seconds:>7.2f}"
              for size, passed, seconds in trials]
     return "\n".join(rows + [f"bs_find: the largest batch size that fits: {found}"])
+
+
+def report(trials: List[Trial], found: int, split: bool, shard: bool, processes: int) -> str:
+    """The trials' table and what the size found means for a fit of `processes` (split_batches, shard=True)."""
+    lines = [trials_table(trials, found)]
+    if shard:
+        lines.append("bs_find: shard=True: the trials ran the whole model on each process; a sharded step holds less, "
+                     "so a larger batch may fit")
+    if processes > 1 and split:
+        parts = " + ".join(map(str, part_sizes(found, processes)))
+        lines.append(f"bs_find: global batch {found} ({parts} over {processes} processes, split_batches)")
+    elif processes > 1:
+        lines.append(f"bs_find: bs={found} per process: global batch {found * processes} = {found} x {processes} "
+                     "processes")
+    return "\n".join(lines)
 
 
 def _outcome(trial: Callable[[int], None], size: int) -> int:

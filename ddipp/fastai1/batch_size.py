@@ -8,7 +8,7 @@ import torch
 from fastai.basic_train import Learner, LearnerCallback, Recorder
 
 from ..core import dist as ddist
-from ..core.batch_size import check_sizes, find_batch_size, trials_table
+from ..core.batch_size import STEPS, check_sizes, check_start, find_batch_size, report
 from ..core.rng import rng_state, set_rng_state
 from ..core.sharding import part_sizes
 from ..core.state import full_state, load_full_state
@@ -16,7 +16,6 @@ from ..core.syncbn import has_batchnorm
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 from .state import hypers, optimizer, set_hypers
 
-STEPS = 2  # a trial's training steps: the second holds the optimizer's state beside the batch's activations
 _KEPT = (Recorder, DistributedCallback, LRFinderBypassCallback, GCCallback)  # fastai's and to_ddp's: the fit needs them
 
 
@@ -29,7 +28,7 @@ def bs_find(learn: Learner, start: Optional[int] = None, max_bs: Optional[int] =
     items = len(learn.data.train_dl.dataset)
     items = items if split else items // processes  # without split_batches a rank takes its share's batches
     check_sizes(start, max_bs, items)
-    _check_batchnorm(learn, start, processes if split else 1)
+    check_start(start, processes if split else 1, has_batchnorm(learn.model))
     attributes, kept = dict(vars(learn)), _Kept(learn)
     finder = BatchSizeFinder(learn, start, items if max_bs is None else max_bs, processes if split else 1,
                              processes > 1)  # also learn.batch_size_finder, until the attributes are put back
@@ -46,7 +45,7 @@ def bs_find(learn: Learner, start: Optional[int] = None, max_bs: Optional[int] =
     if finder.error is not None:
         raise finder.error
     if ddist.is_rank0():
-        print(_report(finder, split, shard, processes), flush=True)
+        print(report(finder.trials, finder.found, split, shard, processes), flush=True)
     return finder.found
 
 
@@ -149,29 +148,6 @@ def _distribution(learn: Learner) -> Tuple[bool, bool, int]:
         if getattr(f, "func", f) is DistributedCallback:
             return f.keywords["split_batches"], f.keywords["shard"], ddist.world_size()
     return False, False, 1
-
-
-def _check_batchnorm(learn: Learner, start: int, processes: int) -> None:
-    """Refuse a start that gives a process one item a step when the model has BatchNorm (it cannot train on one)."""
-    fewest = min(part_sizes(start, processes))
-    if has_batchnorm(learn.model) and fewest < 2:
-        raise ValueError(f"bs_find: start={start} gives a process {fewest} item{'s' * (fewest != 1)} a step, and the "
-                         f"model's BatchNorm cannot train on fewer than 2: give start={2 * processes} or more")
-
-
-def _report(finder: BatchSizeFinder, split: bool, shard: bool, processes: int) -> str:
-    """The trials' table and what the size found means for the fit."""
-    lines = [trials_table(finder.trials, finder.found)]
-    if shard:
-        lines.append("bs_find: shard=True: the trials ran the whole model on each process; a sharded step holds less, "
-                     "so a larger batch may fit")
-    if processes > 1 and split:
-        parts = " + ".join(map(str, part_sizes(finder.found, processes)))
-        lines.append(f"bs_find: global batch {finder.found} ({parts} over {processes} processes, split_batches)")
-    elif processes > 1:
-        lines.append(f"bs_find: bs={finder.found} per process: global batch {finder.found * processes} = "
-                     f"{finder.found} x {processes} processes")
-    return "\n".join(lines)
 
 
 Learner.bs_find = bs_find

@@ -7,12 +7,13 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
+from fastai.callback.rnn import RNNCallback
 from fastai.learner import Learner
 from fastai.torch_core import apply
 from fastcore.basics import first, patch
 
 from ..core import dist as ddist
-from ..core.batch_size import check_sizes, find_batch_size, trials_table
+from ..core.batch_size import STEPS, check_sizes, check_start, find_batch_size, report
 from ..core.rng import rng_state, set_rng_state
 from ..core.sharding import part_sizes
 from ..core.state import full_state, load_full_state
@@ -21,7 +22,6 @@ from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 from .loaders import fastai_loader
 from .state import optimizer
 
-STEPS = 2  # a trial's training steps: the second holds the optimizer's state beside the batch's activations
 _KEPT = (DistributedCallback, LRFinderBypassCallback, GCCallback)  # to_ddp's: their fit needs no before_fit
 
 
@@ -37,8 +37,9 @@ def bs_find(self: Learner, start: Optional[int] = None, max_bs: Optional[int] = 
     items = fastai_loader(self.dls.train).n
     items = items if split else items // processes  # without split_batches a rank takes its share's batches
     check_sizes(start, max_bs, items)
-    _check_batchnorm(self, start, processes if split else 1)
-    finder = BatchSizeFinder(start, items if max_bs is None else max_bs, fresh_opt=self.opt is None)
+    check_start(start, processes if split else 1, has_batchnorm(self.model))
+    finder = BatchSizeFinder(start, items if max_bs is None else max_bs, fresh_opt=self.opt is None,
+                             rnn=any(isinstance(cb, RNNCallback) for cb in self.cbs))
     before, hypers, cbs = dict(vars(self)), _hypers(self), list(self.cbs)
     later = [cb for cb in cbs if cb.order > finder.order and not isinstance(cb, _KEPT)]
     self.remove_cbs(later)  # fastai's own (CSVLogger, SaveModelCallback...) fail in a fit cancelled before they began
@@ -59,7 +60,8 @@ def bs_find(self: Learner, start: Optional[int] = None, max_bs: Optional[int] = 
     if finder.error is not None:
         raise finder.error
     if ddist.is_rank0():
-        print(_report(finder, options, processes), flush=True)
+        print(report(finder.trials, finder.found, options is not None and options.split_batches,
+                     options is not None and options.shard, processes), flush=True)
     return finder.found
 
 
@@ -70,8 +72,9 @@ class BatchSizeFinder(Callback):
     order = -6  # after TrainEvalCallback (-10) put the model on its device and Recompute (-7) made its blocks
     # recompute; before DistributedCallback (-5) wraps it: the trials run on the plain model, no collective inside
 
-    def __init__(self, start: int, max_bs: int, fresh_opt: bool):
+    def __init__(self, start: int, max_bs: int, fresh_opt: bool, rnn: bool):
         self.start, self.max_bs, self.fresh_opt = start, max_bs, fresh_opt
+        self.rnn = rnn  # the learner's RNNCallback (which sits the fit out) gives the loss the model's first output
         self.found: Optional[int] = None
         self.trials: List[Tuple[int, bool, float]] = []
         self.error: Optional[Exception] = None  # what the trials raised (out of memory at the start, ...)
@@ -91,7 +94,7 @@ class BatchSizeFinder(Callback):
             for p in learn.model.parameters():
                 p.grad = None  # held on CPU; after a DDP fit they are views of its buckets, which fastai cannot zero
             learn.model.train()
-            self.found, self.trials = find_batch_size(lambda size: _trial(learn, items(size)), self.start,
+            self.found, self.trials = find_batch_size(lambda size: _trial(learn, items(size), self.rnn), self.start,
                                                       self.max_bs)
         except Exception as error:  # raised by bs_find after the fit, whose callbacks then end it as usual
             self.error = error
@@ -107,12 +110,13 @@ class BatchSizeFinder(Callback):
         raise CancelFitException()
 
 
-def _trial(learn: Learner, size: int) -> None:
+def _trial(learn: Learner, size: int, rnn: bool) -> None:
     """STEPS training steps (forward, loss, backward, the learner's optimizer step, zero_grad) on the training set's
     first `size` items."""
     xb, yb = _first_batch(learn, size)
     for _ in range(STEPS):
-        loss = learn.loss_func(learn.model(*xb), *yb)
+        pred = learn.model(*xb)
+        loss = learn.loss_func(pred[0] if rnn else pred, *yb)  # fastai's RNNs: (output, raw outputs, outputs)
         loss.backward()
         learn.opt.step()
         learn.opt.zero_grad()
@@ -128,14 +132,6 @@ def _first_batch(learn: Learner, size: int) -> tuple:
     b = learn._set_device(first(dl))
     n_inp = getattr(learn.dls, "n_inp", 1 if len(b) == 1 else len(b) - 1)  # as fastai's Learner._split
     return b[:n_inp], b[n_inp:]
-
-
-def _check_batchnorm(learn: Learner, start: int, processes: int) -> None:
-    """Refuse a start that gives a process one item a step when the model has BatchNorm (it cannot train on one)."""
-    fewest = min(part_sizes(start, processes))
-    if has_batchnorm(learn.model) and fewest < 2:
-        raise ValueError(f"bs_find: start={start} gives a process {fewest} item{'s' * (fewest != 1)} a step, and the "
-                         f"model's BatchNorm cannot train on fewer than 2: give start={2 * processes} or more")
 
 
 def _cpu_copy(value):
@@ -156,18 +152,3 @@ def _distribution(learn: Learner) -> tuple:
         if isinstance(cb, DistributedCallback):
             return cb.options, ddist.world_size()
     return None, 1
-
-
-def _report(finder: BatchSizeFinder, options, processes: int) -> str:
-    """The trials' table and what the size found means for the fit."""
-    lines = [trials_table(finder.trials, finder.found)]
-    if options is not None and options.shard:
-        lines.append("bs_find: shard=True: the trials ran the whole model on each process; a sharded step holds less, "
-                     "so a larger batch may fit")
-    if processes > 1 and options.split_batches:
-        parts = " + ".join(map(str, part_sizes(finder.found, processes)))
-        lines.append(f"bs_find: global batch {finder.found} ({parts} over {processes} processes, split_batches)")
-    elif processes > 1:
-        lines.append(f"bs_find: bs={finder.found} per process: global batch {finder.found * processes} = "
-                     f"{finder.found} x {processes} processes")
-    return "\n".join(lines)

@@ -32,6 +32,26 @@ def test_one_process_finds_the_ceiling_and_leaves_the_learner_as_it_was(tmp_path
     assert "bs_find: the largest batch size that fits: 40" in shown and "global batch" not in shown
 
 
+class RNNLike(torch.nn.Module):
+    """A model whose output is as fastai's RNNs' (output, raw outputs, outputs)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out = self.model(x)
+        return out, [out], [out]
+
+
+def test_a_recurrent_models_output_gives_the_loss_its_first(tmp_path):
+    from fastai.callback.rnn import RNNCallback
+    learn = learner(tmp_path)
+    learn.model, learn.splitter = RNNLike(learn.model), lambda model: [list(model.parameters())]
+    learn.add_cb(RNNCallback())
+    assert learn.bs_find(max_bs=8) == 8
+
+
 def test_recomputed_blocks_on_pytorch_loaders(tmp_path):
     """Recompute's blocks recompute in the trials (its order, -7, is before the finder's) and are put back after."""
     res = story(lambda learn: on_torch_loaders(learn).add_cb(ddipp.Recompute()), tmp_path)
