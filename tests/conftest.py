@@ -85,6 +85,14 @@ def beyond_ranks(tmp_path_factory):
     return rank_files(out), out
 
 
+@pytest.fixture
+def extras_ranks(tmp_path_factory):
+    """What tests/fastai2/workers/extras_worker.py saw on each of 2 launched ranks, and its folder (one run per
+    session: extras.launched keeps it)."""
+    from extras import launched
+    return launched(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture(scope="module")
 def split_reference(tmp_path_factory):
     """This fastai's split_story.py (tests/fastai{N}/workers) in one process, both batch settings."""

@@ -1,8 +1,9 @@
 """What both adapters' tests make and check alike, written once: made-up data sets, a batch-dependent metric, the
-notebook group's pids and a file that runs code when unpickled. No fastai here: what depends on its version stays
-in that adapter's tests."""
+notebook group's pids, a file that runs code when unpickled, the check of a recompute story. No fastai here: what
+depends on its version stays in that adapter's tests."""
 import numpy as np
 import pandas as pd
+import torch
 
 from ddipp.core.group.group import _groups
 
@@ -77,3 +78,14 @@ def held_bytes(tensors) -> int:
             local = t.to_local() if hasattr(t, "to_local") else t
             total += local.numel() * local.element_size()
     return total
+
+
+def assert_recomputed_bitwise(story: dict) -> None:
+    """A recompute_story's states with Recompute equal those without it, every tensor bit for bit, in each phase; no
+    forward left patched after the fits."""
+    for phase in story[False]["phases"]:
+        plain, recomputed = story[False][phase], story[True][phase]
+        assert len(plain) == len(recomputed)
+        for i, (a, b) in enumerate(zip(plain, recomputed)):
+            assert torch.equal(a, b), (phase, i, (a.float() - b.float()).abs().max().item())
+    assert story[True]["patched"] == [] and story[False]["patched"] == []

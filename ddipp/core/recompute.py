@@ -12,20 +12,15 @@ from typing import Callable, Iterable, List, Optional
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .shard import default_units
+from .shard import default_units, names_in
 
 
 def recompute_names(model: nn.Module, modules: Optional[Iterable[nn.Module]]) -> List[str]:
     """The names in `model` of the blocks to recompute: `modules`, or ddipp.core.shard's default units (the blocks of
     the model's top-level Sequential children, else its top-level children); a ValueError naming one not in `model`."""
-    names = {id(module): name for name, module in model.named_modules() if name}
-    chosen = default_units(model) if modules is None else list(modules)
-    for module in chosen:
-        if id(module) not in names:
-            raise ValueError(f"Recompute(modules=...) was given a {type(module).__name__} that is not a submodule of "
-                             f"the model ({type(model).__name__}): give modules of learn.model, e.g. "
-                             "Recompute(modules=list(learn.model[0]))")
-    return [names[id(module)] for module in chosen]
+    return names_in(model, default_units(model) if modules is None else list(modules), lambda module: (
+        f"Recompute(modules=...) was given a {type(module).__name__} that is not a submodule of the model "
+        f"({type(model).__name__}): give modules of learn.model, e.g. Recompute(modules=list(learn.model[0]))"))
 
 
 def recomputing(model: nn.Module, names: Iterable[str]) -> Callable[[], None]:

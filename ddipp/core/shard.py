@@ -126,15 +126,19 @@ class Shard:
 
 
 def _unit_names(model: nn.Module, units: Optional[Callable]) -> List[str]:
-    """The names in `model` of the modules `units(model)` gives (default_units' without it); a ValueError for one
-    that is not a module of `model`."""
+    """The names in `model` of the modules `units(model)` gives (default_units' without it)."""
+    return names_in(model, default_units(model) if units is None else list(units(model)), lambda module: (
+        f"to_ddp(shard_units={getattr(units, '__name__', units)!r}) gave a {type(module).__name__} that is not a "
+        f"submodule of the model ({type(model).__name__}): give modules of learn.model, e.g. "
+        "shard_units=lambda model: list(model.layers)"))
+
+
+def names_in(model: nn.Module, chosen: List[nn.Module], refusal: Callable[[nn.Module], str]) -> List[str]:
+    """The names in `model` of the `chosen` modules; a ValueError saying `refusal(module)` for one not in it."""
     names = {id(module): name for name, module in model.named_modules() if name}
-    chosen = default_units(model) if units is None else list(units(model))
     for module in chosen:
         if id(module) not in names:
-            raise ValueError(f"to_ddp(shard_units={getattr(units, '__name__', units)!r}) gave a {type(module).__name__}"
-                             f" that is not a submodule of the model ({type(model).__name__}): give modules of "
-                             "learn.model, e.g. shard_units=lambda model: list(model.layers)")
+            raise ValueError(refusal(module))
     return [names[id(module)] for module in chosen]
 
 

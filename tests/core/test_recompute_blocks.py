@@ -1,5 +1,6 @@
 """ddipp.core.recompute in one process: recomputed blocks train bitwise as plain ones (parameters, BatchNorm buffers,
-dropout draws) while keeping fewer bytes for backward; plain torch checkpointing, the reference of the defect, does not."""
+dropout draws) while keeping fewer bytes for backward; plain torch checkpointing, the reference of the defect, does
+not."""
 import copy
 
 import pytest

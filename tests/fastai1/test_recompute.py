@@ -9,38 +9,30 @@ from torch import nn
 
 import ddipp
 from conftest import ROOT, launch_2_ranks, rank_files
-from recompute_story import PHASES, convnet_learner, recompute_story
+from recompute_story import convnet_learner, recompute_story
 from scenario import RaiseAt, digits_data
-
-
-def assert_bitwise(story: dict) -> None:
-    """The story's states with Recompute equal those without it, every tensor bit for bit; no forward left patched."""
-    for phase in PHASES:
-        plain, recomputed = story[False][phase], story[True][phase]
-        assert len(plain) == len(recomputed)
-        for i, (a, b) in enumerate(zip(plain, recomputed)):
-            assert torch.equal(a, b), (phase, i, (a.float() - b.float()).abs().max().item())
-    assert story[True]["patched"] == [] and story[False]["patched"] == []
+from stories import assert_recomputed_bitwise
 
 
 def test_one_process(tmp_path):
     story = recompute_story(lambda learn: learn, tmp_path, 32)
-    assert_bitwise(story)
+    assert_recomputed_bitwise(story)
     assert not torch.equal(story[True]["fit"][0], story[True]["unfrozen"][0])  # it trained
 
 
 @pytest.mark.slow
 def test_two_launched_ranks_under_ddp_sync_bn_and_shard(tmp_path):
-    launch_2_ranks(ROOT / "tests" / "fastai1" / "workers" / "recompute_worker.py", tmp_path)
+    launch_2_ranks(ROOT / "tests" / "workers" / "recompute_worker.py", tmp_path)
     for rank in rank_files(tmp_path):
         for options in ("ddp", "sync_bn", "shard"):
-            assert_bitwise(rank[options])
+            assert_recomputed_bitwise(rank[options])
 
 
 @pytest.mark.slow
 def test_a_notebook_learner_with_the_blocks_it_names(tmp_path):
-    story = recompute_story(lambda learn: learn.to_ddp(nprocs=2), tmp_path, 16, modules=lambda learn: [learn.model[0][2]])
-    assert_bitwise(story)
+    story = recompute_story(lambda learn: learn.to_ddp(nprocs=2), tmp_path, 16,
+                            modules=lambda learn: [learn.model[0][2]])
+    assert_recomputed_bitwise(story)
 
 
 def test_a_fit_that_raises_leaves_the_models_own_forwards(tmp_path):

@@ -27,17 +27,11 @@ from ddipp.core.group.group import shutdown
 from ddipp.core.rng import seed_all
 
 from conftest import check_restart_said, image_folder, launch_restartable, rank_files, tiny_cnn
-from extras import DieWriting, KillRank1, StopAt, ckpt_learner, launched, resume_story
+from extras import DieWriting, KillRank1, StopAt, ckpt_learner, resume_story
 from stories import RunsCode
 from compare import TOL, close, max_diff
 from dying_fit import DieAfterFit
 from fit_story import digits_dls, digits_learner, history, params
-
-
-@pytest.fixture
-def extras_ranks(tmp_path_factory):
-    """What workers/extras_worker.py saw on each of 2 launched ranks, and its folder (one run per session)."""
-    return launched(tmp_path_factory.getbasetemp())
 
 
 @pytest.mark.slow

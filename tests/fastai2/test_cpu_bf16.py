@@ -3,15 +3,8 @@ autocast, so the fit trains in float32, and ddipp says so once."""
 import pytest
 
 from compare import max_diff
-from extras import launched
 
 LINE = "ddipp: fastai's MixedPrecision (to_bf16/to_fp16) is CUDA-only: this fit on CPU trains in float32"
-
-
-@pytest.fixture
-def extras_ranks(tmp_path_factory):
-    """What workers/extras_worker.py saw on each of 2 launched ranks, and its folder (one run per session)."""
-    return launched(tmp_path_factory.getbasetemp())
 
 
 @pytest.mark.slow

@@ -3,14 +3,8 @@
 import pytest
 
 import ddipp
-from extras import collapsed_loss, launched, pairs_dls, pairs_fit, pairs_learner
+from extras import collapsed_loss, pairs_dls, pairs_fit, pairs_learner
 from compare import TOL, close, max_diff
-
-
-@pytest.fixture
-def extras_ranks(tmp_path_factory):
-    """What workers/extras_worker.py saw on each of 2 launched ranks, and its folder (one run per session)."""
-    return launched(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,9 @@
 import pytest
 
 from compare import max_diff
-from extras import launched
 from memory_page import run_page
 
 PAGE_TOL = 1e-6  # the page's fit on 2 ranks against one process (sharded, split, SyncBatchNorm: sums in another order)
-
-
-@pytest.fixture
-def extras_ranks(tmp_path_factory):
-    """What workers/extras_worker.py saw on each of 2 launched ranks, and its folder (one run per session)."""
-    return launched(tmp_path_factory.getbasetemp())
 
 
 @pytest.mark.slow

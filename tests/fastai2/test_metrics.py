@@ -3,14 +3,8 @@
 import pytest
 import torch
 
-from extras import OutputMoments, digits_dls, digits_learner, launched, moments_fit
+from extras import OutputMoments, digits_dls, digits_learner, moments_fit
 from compare import TOL, close, max_diff
-
-
-@pytest.fixture
-def extras_ranks(tmp_path_factory):
-    """What workers/extras_worker.py saw on each of 2 launched ranks, and its folder (one run per session)."""
-    return launched(tmp_path_factory.getbasetemp())
 
 
 @pytest.mark.slow

@@ -4,14 +4,8 @@ process."""
 import pytest
 
 import ddipp
-from extras import digits_dls, digits_learner, launched, throughput_fit
+from extras import digits_dls, digits_learner, throughput_fit
 from compare import max_diff
-
-
-@pytest.fixture
-def extras_ranks(tmp_path_factory):
-    """What workers/extras_worker.py saw on each of 2 launched ranks, and its folder (one run per session)."""
-    return launched(tmp_path_factory.getbasetemp())
 
 
 TRAINED = (1797 - 359) // 32 * 32  # digits' training set in full batches of 32: 1408 items

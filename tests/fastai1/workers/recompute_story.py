@@ -31,7 +31,7 @@ def state(learn) -> list:
 
 
 def phases(learn) -> dict:
-    res = {}
+    res = dict(phases=PHASES)
     learn.fit_one_cycle(1, 1e-2)
     res["fit"] = state(learn)
     learn.freeze()

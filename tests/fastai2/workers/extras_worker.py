@@ -1,5 +1,5 @@
-"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,wrapped_model,cpu_bf16,memory_page}.py:
-plays extras.py's stories (and wrapped_model.py's, docs/memory.md's script) with batch 16 a rank under ddipp and saves
+"""Launched on 2 ranks by tests/fastai2/test_{losses,metrics,checkpoint,throughput,wrapped_model,cpu_bf16,
+memory_page}.py: plays extras.py's stories (and wrapped_model.py's, docs/memory.md's script) with batch 16 a rank under ddipp and saves
 what each rank saw in OUT/rank{r}.pt (stdout in OUT/stdout{r}.txt)."""
 import contextlib
 import os

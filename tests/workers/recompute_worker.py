@@ -1,5 +1,6 @@
-"""Launched on 2 ranks by tests/fastai1/test_recompute.py as `recompute_worker.py OUT`: recompute_story.py with batch
-16 a rank under to_ddp(), to_ddp(sync_bn=True) and to_ddp(shard=True); saves what each rank saw in OUT/rank{r}.pt."""
+"""Launched on 2 ranks by tests/fastai{1,2}/test_recompute.py as `recompute_worker.py OUT`: the recompute_story.py of
+the installed fastai (tests/fastai{N}/workers, on the import path) with batch 16 a rank under to_ddp(),
+to_ddp(sync_bn=True) and to_ddp(shard=True); saves what each rank saw in OUT/rank{r}.pt."""
 import contextlib
 import sys
 from pathlib import Path
