@@ -1,14 +1,18 @@
 """The largest batch size a training step takes on every rank (bs_find): doubling from a start, then bisecting; each
 trial runs on this rank alone and its verdict is agreed across ranks (the minimum) before the next trial."""
+import copy
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import dist as ddist
 from .memory import release_memory
+from .rng import rng_state, set_rng_state
 from .sharding import part_sizes
+from .state import full_state, load_full_state
 
 CUDA_OOM = "CUDA out of memory"
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
@@ -106,6 +110,36 @@ def report(trials: List[Trial], found: int, split: bool, shard: bool, processes:
         lines.append(f"bs_find: bs={found} per process: global batch {found * processes} = {found} x {processes} "
                      "processes")
     return "\n".join(lines)
+
+
+class Kept:
+    """What trials' training steps change, copied to the CPU (a GPU holds no second copy while they run): the model's
+    weights and buffers, the optimizer's state, the gradients, the modules' modes, every generator."""
+
+    def __init__(self, model: nn.Module, optimizer: Any):
+        self.state = _cpu_copy(full_state(model, optimizer))
+        self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
+        self.modes = [m.training for m in model.modules()]
+        self.rng = rng_state()
+
+    def put_back(self, model: nn.Module, optimizer: Any) -> None:
+        load_full_state(model, optimizer, self.state)
+        for p, grad in zip(model.parameters(), self.grads):
+            p.grad = None if grad is None else grad.to(p.device)
+        for m, training in zip(model.modules(), self.modes):
+            m.training = training
+        set_rng_state(self.rng)
+
+
+def _cpu_copy(value: Any) -> Any:
+    """`value` (a state dict, nested) with a CPU copy of each of its tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def _outcome(trial: Callable[[int], None], size: int) -> int:

@@ -4,14 +4,11 @@ is left as it was."""
 import copy
 from typing import List, Optional, Tuple
 
-import torch
 from fastai.basic_train import Learner, LearnerCallback, Recorder
 
 from ..core import dist as ddist
-from ..core.batch_size import STEPS, check_sizes, check_start, find_batch_size, report
-from ..core.rng import rng_state, set_rng_state
+from ..core.batch_size import STEPS, Kept, check_sizes, check_start, find_batch_size, report
 from ..core.sharding import part_sizes
-from ..core.state import full_state, load_full_state
 from ..core.syncbn import has_batchnorm
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 from .state import hypers, optimizer, set_hypers
@@ -99,38 +96,16 @@ class BatchSizeFinder(LearnerCallback):
 
 
 class _Kept:
-    """What training steps or a fit change on a learner, copied to the CPU (a GPU holds no second copy while trials
-    run): weights and buffers, the optimizer's state and hyper-parameters, gradients, modules' modes, generators."""
+    """What training steps or a fit change on a learner: core's Kept, and the optimizer's hyper-parameters."""
 
     def __init__(self, learn: Learner):
-        model = learn.model
-        self.state = _cpu_copy(full_state(model, optimizer(learn)))
+        self.trained = Kept(learn.model, optimizer(learn))
         self.hypers = copy.deepcopy(hypers(learn)) if getattr(learn, "opt", None) else None
-        self.grads = [None if p.grad is None else p.grad.to("cpu", copy=True) for p in model.parameters()]
-        self.modes = [m.training for m in model.modules()]
-        self.rng = rng_state()
 
     def put_back(self, learn: Learner) -> None:
-        model = learn.model
-        load_full_state(model, optimizer(learn), self.state)
+        self.trained.put_back(learn.model, optimizer(learn))
         if self.hypers is not None:
             set_hypers(learn, copy.deepcopy(self.hypers))
-        for p, grad in zip(model.parameters(), self.grads):
-            p.grad = None if grad is None else grad.to(p.device)
-        for m, training in zip(model.modules(), self.modes):
-            m.training = training
-        set_rng_state(self.rng)
-
-
-def _cpu_copy(value):
-    """`value` (a state dict, nested) with a CPU copy of each of its tensors."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v) for v in value)
-    return copy.deepcopy(value)
 
 
 def _runs(make) -> bool:

@@ -1,7 +1,6 @@
 """`Learner.bs_find` for fastai v2 (fastcore @patch): the largest batch size whose training step fits on every rank,
 found by ddipp.core.batch_size in one fit that a callback cancels once its trials are done (as lr_find runs in a fit:
 launched and notebook mode alike); the learner is left as it was."""
-import copy
 from typing import List, Optional, Tuple
 
 import torch
@@ -9,14 +8,12 @@ import torch.distributed as dist
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.rnn import RNNCallback
 from fastai.learner import Learner
-from fastai.torch_core import apply
 from fastcore.basics import first, patch
 
 from ..core import dist as ddist
-from ..core.batch_size import STEPS, check_sizes, check_start, find_batch_size, report
+from ..core.batch_size import STEPS, Kept, check_sizes, check_start, find_batch_size, report
 from ..core.rng import rng_state, set_rng_state
 from ..core.sharding import part_sizes
-from ..core.state import full_state, load_full_state
 from ..core.syncbn import has_batchnorm
 from .callbacks import DistributedCallback, GCCallback, LRFinderBypassCallback
 from .loaders import fastai_loader
@@ -85,11 +82,7 @@ class BatchSizeFinder(Callback):
         processes = dist.get_world_size() if options is not None and ddist.init() else 1
         split = options is not None and options.split_batches
         items = (lambda size: part_sizes(size, processes)[0]) if split else (lambda size: size)
-        opt = optimizer(learn)
-        state = apply(_cpu_copy, full_state(learn.model, opt))  # on CPU: a copy on the device would take its memory
-        grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in learn.model.parameters()]
-        modes = [m.training for m in learn.model.modules()]
-        generators = rng_state()
+        kept = Kept(learn.model, optimizer(learn))
         try:
             for p in learn.model.parameters():
                 p.grad = None  # held on CPU; after a DDP fit they are views of its buckets, which fastai cannot zero
@@ -99,12 +92,7 @@ class BatchSizeFinder(Callback):
         except Exception as error:  # raised by bs_find after the fit, whose callbacks then end it as usual
             self.error = error
         finally:
-            load_full_state(learn.model, opt, state)
-            for p, grad in zip(learn.model.parameters(), grads):
-                p.grad = None if grad is None else grad.to(p.device)
-            for m, training in zip(learn.model.modules(), modes):
-                m.training = training
-            set_rng_state(generators)
+            kept.put_back(learn.model, optimizer(learn))
             if self.fresh_opt:
                 learn.opt = None
         raise CancelFitException()
@@ -132,10 +120,6 @@ def _first_batch(learn: Learner, size: int) -> tuple:
     b = learn._set_device(first(dl))
     n_inp = getattr(learn.dls, "n_inp", 1 if len(b) == 1 else len(b) - 1)  # as fastai's Learner._split
     return b[:n_inp], b[n_inp:]
-
-
-def _cpu_copy(value):
-    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _hypers(learn: Learner) -> Optional[list]:
