@@ -138,6 +138,9 @@ class ForkedWorker:
             return None
         if pid not in self.server.exits:
             self.server.read()  # what the server said since: this worker's end, or its own
+        deadline = time.monotonic() + 10
+        while pid not in self.server.exits and self.server.open and not _exists(pid) and time.monotonic() < deadline:
+            self.server.read(1.0)  # it ended: the server, woken by SIGCHLD, reaps it and says so at once
         if pid not in self.server.exits and not self.server.open and not _exists(pid):
             self.server.exits[pid] = 1  # ended with the server (it kills its workers), its code unknown
             self.server_end = self.server.proc.returncode

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import cloudpickle
 import numpy as np
@@ -150,6 +152,27 @@ def test_import_ddipp_in_a_kernel_starts_the_server_and_a_killed_kernel_leaves_n
     finally:
         kernel.kill()
         kernel.wait()
+
+
+@pytest.mark.slow  # starts a fork server and a worker group
+def test_a_forked_worker_that_ended_reads_as_ended_before_the_server_says_so(server):
+    """CI at stop 48: the kernel looked between the server's reaping of a killed worker and its message saying so,
+    found the group alive, and sent the next fit to the dead worker (WorkerDied instead of a new group)."""
+    group = group_for(CPU2, 60, FITTING)
+    fit(group, drawn)
+    worker = psutil.Process(group.procs[0].pid)
+    os.kill(server.proc.pid, signal.SIGSTOP)  # the server reaps nothing and says nothing until continued
+    resume = threading.Timer(0.5, os.kill, (server.proc.pid, signal.SIGCONT))  # as a loaded machine delays it
+    try:
+        worker.kill()
+        deadline = time.monotonic() + 15
+        while worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the zombie, not synchronising: its parent is stopped
+        resume.start()
+        assert group.procs[0].poll() == -signal.SIGKILL and not group.alive
+    finally:
+        resume.cancel()
+        os.kill(server.proc.pid, signal.SIGCONT)
 
 
 @pytest.mark.slow  # starts a fork server and worker groups
