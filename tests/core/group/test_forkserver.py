@@ -175,6 +175,17 @@ def test_a_forked_worker_that_ended_reads_as_ended_before_the_server_says_so(ser
         os.kill(server.proc.pid, signal.SIGCONT)
 
 
+def test_a_process_that_ends_while_its_stat_is_read_reads_as_ended(monkeypatch):
+    """CI after cc4d570: a rank 0 reaped between the open and the read of its /proc stat raised ProcessLookupError out
+    of `poll`, in place of the WorkerDied naming it."""
+    child = subprocess.Popen(["sleep", "60"])
+    stat = open(f"/proc/{child.pid}/stat")
+    child.kill()
+    child.wait()
+    monkeypatch.setattr(forkserver, "open", lambda path: stat, raising=False)  # the file opened before the end
+    assert forkserver._exists(child.pid) is False
+
+
 @pytest.mark.slow  # starts a fork server and worker groups
 def test_a_worker_or_the_server_killed_between_fits_is_named_in_one_line_and_the_next_fit_runs_on_a_new_group(
         server, capsys):
