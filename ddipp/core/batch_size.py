@@ -1,6 +1,5 @@
 """The largest batch size a training step takes on every rank (bs_find): doubling from a start, then bisecting; each
 trial runs on this rank alone and its verdict is agreed across ranks (the minimum) before the next trial."""
-import copy
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -11,6 +10,7 @@ from torch import nn
 from . import dist as ddist
 from .memory import release_memory
 from .rng import rng_state, set_rng_state
+from .shard import walk
 from .sharding import part_sizes
 from .state import full_state, load_full_state
 
@@ -117,7 +117,7 @@ class Kept:
     weights and buffers, the optimizer's state, the gradients, the modules' modes, every generator."""
 
     def __init__(self, model: nn.Module, optimizer: Any):
-        self.state = _cpu_copy(full_state(model, optimizer))
+        self.state = walk(full_state(model, optimizer), lambda t: t.detach().to("cpu", copy=True))
         self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
         self.modes = [m.training for m in model.modules()]
         self.rng = rng_state()
@@ -130,16 +130,6 @@ class Kept:
             m.training = training
         set_rng_state(self.rng)
 
-
-def _cpu_copy(value: Any) -> Any:
-    """`value` (a state dict, nested) with a CPU copy of each of its tensors."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v) for v in value)
-    return copy.deepcopy(value)
 
 
 def _outcome(trial: Callable[[int], None], size: int) -> int:
@@ -165,4 +155,3 @@ def _agree(outcome: int, size: int) -> int:
         raise RuntimeError(f"bs_find: another rank's training step at batch size {size} failed with an error other "
                            f"than out of memory; that rank's output names it")
     return int(least.item())
-

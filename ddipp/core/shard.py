@@ -111,7 +111,7 @@ class Shard:
         _shard_optimizer_state(optimizer)
         rank0 = dist.get_rank() == 0
         model_state = {key: _whole(value, rank0) for key, value in model.state_dict().items()}
-        opt = None if optimizer is None else _walk(optimizer.state_dict(), lambda value: _whole(value, rank0))
+        opt = None if optimizer is None else walk(optimizer.state_dict(), lambda value: _whole(value, rank0))
         return dict(model=model_state, opt=opt) if rank0 else None
 
     def load_full_state(self, model: nn.Module, optimizer: Any, state: Optional[dict]) -> None:
@@ -259,7 +259,7 @@ class _Began:
             if self.device.type == "cuda":
                 p.data = p.data.cpu()
         if self.device.type == "cuda":
-            self.state = {p: _walk(s, lambda t: t.cpu()) for p, s in self.state.items()}
+            self.state = {p: walk(s, lambda t: t.cpu()) for p, s in self.state.items()}
 
     def put_back(self, to_sharded: Dict[nn.Parameter, nn.Parameter], optimizer: Any) -> None:
         for p in self.params.values():
@@ -270,17 +270,17 @@ class _Began:
         state = optimizer.state
         for p in list(state):
             del state[p]
-        state.update({p: _walk(s, lambda t: t.to(self.device)) for p, s in self.state.items()})
+        state.update({p: walk(s, lambda t: t.to(self.device)) for p, s in self.state.items()})
 
 
-def _walk(value: Any, fn: Callable[[Any], Any]) -> Any:
+def walk(value: Any, fn: Callable[[Any], Any]) -> Any:
     """`value` with `fn` applied to each tensor (or _Spec) in its dicts, lists and tuples."""
     if isinstance(value, (torch.Tensor, _Spec)):
         return fn(value)
     if isinstance(value, dict):
-        return {k: _walk(v, fn) for k, v in value.items()}
+        return {k: walk(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        walked = [_walk(v, fn) for v in value]
+        walked = [walk(v, fn) for v in value]
         return tuple(walked) if isinstance(value, tuple) else walked
     return value
 
@@ -310,7 +310,7 @@ def _everyone(flag: bool) -> bool:
 def _from_rank0(state: Optional[dict]) -> dict:
     """Rank 0's `state` on every rank: its layout (shapes, dtypes, other values) sent first, then each tensor."""
     rank0, device = dist.get_rank() == 0, ddist.device()
-    layout = [_walk(state, lambda t: _Spec(tuple(t.shape), t.dtype)) if rank0 else None]
+    layout = [walk(state, lambda t: _Spec(tuple(t.shape), t.dtype)) if rank0 else None]
     dist.broadcast_object_list(layout, src=0)
 
     def sent(t: torch.Tensor) -> torch.Tensor:
@@ -322,4 +322,4 @@ def _from_rank0(state: Optional[dict]) -> dict:
         t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
         dist.broadcast(t, 0)
         return t
-    return _walk(state, sent) if rank0 else _walk(layout[0], received)
+    return walk(state, sent) if rank0 else walk(layout[0], received)
