@@ -1,6 +1,6 @@
 """What both adapters' tests make and check alike, written once: made-up data sets, a batch-dependent metric, the
-notebook group's pids, a file that runs code when unpickled, the check of a recompute story. No fastai here: what
-depends on its version stays in that adapter's tests."""
+notebook group's pids, a file that runs code when unpickled, the check of a recompute story, a model answering as
+fastai's RNNs. No fastai here: what depends on its version stays in that adapter's tests."""
 import numpy as np
 import pandas as pd
 import torch
@@ -89,3 +89,18 @@ def assert_recomputed_bitwise(story: dict) -> None:
         for i, (a, b) in enumerate(zip(plain, recomputed)):
             assert torch.equal(a, b), (phase, i, (a.float() - b.float()).abs().max().item())
     assert story[True]["patched"] == [] and story[False]["patched"] == []
+
+
+class RNNLike(torch.nn.Module):
+    """`model`'s output as fastai's RNNs give theirs, (output, raw outputs, outputs), with their reset()."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out = self.model(x)
+        return out, [out], [out]
+
+    def reset(self):
+        pass

@@ -10,12 +10,12 @@ import pytest
 import torch
 from fastai.basic_train import LearnerCallback
 from fastai.callbacks import CSVLogger, RNNTrainer
-from torch import nn
 
 import ddipp
 from bs_find_story import CEILINGS, bs_find_story, ceiling_learner, held, learner_facts, same_facts, tensors
 from compare import assert_same_tensors
 from conftest import ROOT, launch_2_ranks, rank_files
+from stories import RNNLike
 
 FITS_EVERYWHERE = min(CEILINGS.values())
 PER_PROCESS = (f"bs_find: bs={FITS_EVERYWHERE} per process: global batch {2 * FITS_EVERYWHERE} = {FITS_EVERYWHERE} x 2 "
@@ -110,21 +110,6 @@ def test_trials_run_under_recompute_and_a_refused_start_leaves_no_block_recomput
     with pytest.raises(torch.OutOfMemoryError):
         learn.bs_find(start=400)  # raised after the fit: Recompute's on_train_end ran
     assert [m for m in learn.model.modules() if "forward" in vars(m)] == []
-
-
-class RNNLike(nn.Module):
-    """`model`'s output as fastai's RNNs give theirs, (output, raw outputs, outputs), with their reset()."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        out = self.model(x)
-        return out, [out], [out]
-
-    def reset(self):
-        pass
 
 
 def test_a_recurrent_models_output(tmp_path):

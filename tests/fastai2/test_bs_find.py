@@ -10,6 +10,7 @@ from bs_find_story import CEILINGS, changed, learner, on_torch_loaders, snapshot
 from conftest import ROOT, launch_2_ranks, rank_files
 from ddipp.core.sharding import part_sizes
 from fit_story import N_TRAIN
+from stories import RNNLike
 
 
 def largest(fits, items: int, start: int = 2) -> int:
@@ -30,18 +31,6 @@ def test_one_process_finds_the_ceiling_and_leaves_the_learner_as_it_was(tmp_path
     shown = capsys.readouterr().out
     assert "        40  fits" in shown and "        41  out of memory" in shown
     assert "bs_find: the largest batch size that fits: 40" in shown and "global batch" not in shown
-
-
-class RNNLike(torch.nn.Module):
-    """A model whose output is as fastai's RNNs' (output, raw outputs, outputs)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        out = self.model(x)
-        return out, [out], [out]
 
 
 def test_a_recurrent_models_output_gives_the_loss_its_first(tmp_path):
